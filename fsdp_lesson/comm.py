@@ -1,0 +1,123 @@
+"""Comm: the collectives the lesson uses, over mpi4py's buffer interface, with accounting.
+
+Traffic is counted as the ring algorithm moves it (zero_formulas.md): for a full buffer of
+F bytes over N ranks each rank sends (N-1)/N * F for an allgather or a reduce-scatter and
+2(N-1)/N * F for an allreduce. A Comm built without an MPI communicator is one rank and
+needs no MPI at all.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+RING_FACTOR = {"allreduce": 2, "allgather": 1, "reduce_scatter": 1, "bcast": 1}
+
+
+@dataclass
+class Traffic:
+    """One collective kind's totals on this rank."""
+
+    calls: int = 0
+    buffer_bytes: int = 0  # bytes of the full buffers handed to the collective
+    sent_bytes: float = 0.0  # bytes this rank sends under the ring model
+    seconds: float = 0.0
+
+
+class Comm:
+    """allreduce_mean, allgather, reduce_scatter_mean, bcast and barrier, each counted."""
+
+    def __init__(self, mpi_comm=None) -> None:
+        self.mpi = mpi_comm
+        if mpi_comm is not None:
+            from mpi4py import MPI
+
+            self.MPI = MPI
+        self.rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
+        self.size = 1 if mpi_comm is None else mpi_comm.Get_size()
+        self.traffic = {kind: Traffic() for kind in RING_FACTOR}
+        self._scalar = np.zeros(1, dtype=np.float64)
+
+    @classmethod
+    def world(cls) -> Comm:
+        """All ranks of the MPI job (mpiexec or the ipcluster's MPI engines)."""
+        from mpi4py import MPI
+
+        return cls(MPI.COMM_WORLD)
+
+    @contextmanager
+    def _count(self, kind: str, full_bytes: int):
+        start = time.perf_counter()
+        yield
+        t = self.traffic[kind]
+        t.calls += 1
+        t.buffer_bytes += full_bytes
+        t.sent_bytes += RING_FACTOR[kind] * (self.size - 1) * full_bytes / self.size
+        t.seconds += time.perf_counter() - start
+
+    def allreduce_mean(self, buf: np.ndarray) -> np.ndarray:
+        """buf <- the mean of buf over all ranks, in place."""
+        if buf.size == 0:  # a layer without parameters moves nothing
+            return buf
+        with self._count("allreduce", buf.nbytes):
+            if self.mpi is not None:
+                self.mpi.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+                buf /= buf.dtype.type(self.size)
+        return buf
+
+    def mean_scalar(self, value: float) -> float:
+        """The mean of a Python float over ranks (the logged loss); a float64 allreduce."""
+        self._scalar[0] = value
+        return float(self.allreduce_mean(self._scalar)[0])
+
+    def allgather(self, shard: np.ndarray, full: np.ndarray) -> np.ndarray:
+        """full <- every rank's shard, concatenated in rank order (full.size == N * shard.size)."""
+        if full.size == 0:
+            return full
+        with self._count("allgather", full.nbytes):
+            if self.mpi is None:
+                full[...] = shard
+            else:
+                self.mpi.Allgather(shard, full)
+        return full
+
+    def reduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> np.ndarray:
+        """shard <- this rank's slice of the mean over ranks of `full` (Reduce_scatter_block)."""
+        if full.size == 0:
+            return shard
+        with self._count("reduce_scatter", full.nbytes):
+            if self.mpi is None:
+                shard[...] = full
+            else:
+                self.mpi.Reduce_scatter_block(full, shard, op=self.MPI.SUM)
+                shard /= shard.dtype.type(self.size)
+        return shard
+
+    def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
+        """buf <- root's buf, in place."""
+        with self._count("bcast", buf.nbytes):
+            if self.mpi is not None:
+                self.mpi.Bcast(buf, root=root)
+        return buf
+
+    def barrier(self) -> None:
+        if self.mpi is not None:
+            self.mpi.Barrier()
+
+    def all_agree(self, ok: bool) -> bool:
+        """True on every rank only if `ok` is true on every rank (not counted as traffic)."""
+        if self.mpi is None:
+            return ok
+        flag = np.array([1 if ok else 0], dtype=np.int32)
+        self.mpi.Allreduce(self.MPI.IN_PLACE, flag, op=self.MPI.MIN)
+        return bool(flag[0])
+
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's obj as a list on rank 0 (None elsewhere); pickled, so once per run only."""
+        return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
+
+    def traffic_report(self) -> dict[str, dict]:
+        return {kind: asdict(t) for kind, t in self.traffic.items()}

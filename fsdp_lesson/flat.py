@@ -1,0 +1,50 @@
+"""FlatParam: one layer's parameters laid out as one flat vector, padded and cut into N shards.
+
+    [ W (in*out) | b (out) | 0 0 (padding) ]     length padded = N * shard_size
+      rank 0 owns [0, S), rank 1 owns [S, 2S), ...
+
+The layout is all a FlatParam holds; buffers are allocated by whoever owns them (a strategy,
+through the memory ledger). The padding is zero and never reaches the math: `views` looks
+only at the first `numel` elements.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class FlatParam:
+    """The flat, padded layout of one layer's parameters over `world_size` shards."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], world_size: int = 1) -> None:
+        self.shapes = dict(shapes)
+        self.sizes = {name: int(np.prod(shape)) for name, shape in self.shapes.items()}
+        self.numel = sum(self.sizes.values())
+        self.world_size = world_size
+        self.shard_size = -(-self.numel // world_size)  # ceil(numel / N)
+        self.padded_numel = self.shard_size * world_size
+        self.padding = self.padded_numel - self.numel
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Each parameter as a shaped view into a full flat buffer (no copy)."""
+        out, offset = {}, 0
+        for name, shape in self.shapes.items():
+            out[name] = flat[offset : offset + self.sizes[name]].reshape(shape)
+            offset += self.sizes[name]
+        return out
+
+    def flatten(self, arrays: dict[str, np.ndarray], out: np.ndarray) -> np.ndarray:
+        """Copy shaped parameters into a full flat buffer; the padding is set to zero."""
+        for name, view in self.views(out).items():
+            view[...] = arrays[name]
+        out[self.numel :] = 0
+        return out
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """The [start, stop) elements of the padded vector that `rank` owns."""
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def owned_shard(self, flat: np.ndarray, rank: int) -> np.ndarray:
+        """The view of a full flat buffer that `rank` owns."""
+        start, stop = self.shard_range(rank)
+        return flat[start:stop]

@@ -1,0 +1,64 @@
+"""MemoryLedger: live and peak bytes per category on this rank.
+
+Strategies allocate their arrays through the ledger, and the training loop reports the
+activations it keeps for backward, so every byte the ZeRO tables talk about is counted here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+class MemoryBudgetError(MemoryError):
+    """An allocation would exceed the rank's memory budget."""
+
+
+class MemoryLedger:
+    """Bytes by category: `peak` holds each category's high-water mark, `peak_total` the sum's."""
+
+    def __init__(self, rank: int = 0, budget_bytes: int | None = None) -> None:
+        self.rank, self.budget_bytes = rank, budget_bytes
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.peak = dict.fromkeys(CATEGORIES, 0)
+        self.peak_total = 0
+        self.held: dict[str, tuple[str, int]] = {}  # label -> (category, bytes)
+        self.timeline: list[tuple[str, int]] | None = None  # (event, live total) when recording
+
+    @property
+    def live_total(self) -> int:
+        return sum(self.live.values())
+
+    def alloc(self, category: str, shape, label: str, dtype=np.float32) -> np.ndarray:
+        """A zeroed array, counted under `category` until `free(label)`."""
+        self.hold(category, label, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        return np.zeros(shape, dtype=dtype)
+
+    def hold(self, category: str, label: str, nbytes: int) -> None:
+        """Count `nbytes` of an array allocated elsewhere (e.g. activations) until `free(label)`."""
+        if label in self.held:
+            raise KeyError(f"ledger already holds {label!r}")
+        if self.budget_bytes is not None and self.live_total + nbytes > self.budget_bytes:
+            over = self.live_total + nbytes - self.budget_bytes
+            raise MemoryBudgetError(
+                f"rank {self.rank}: allocating {nbytes:,} bytes of {category} ({label}) would "
+                f"exceed the memory budget of {self.budget_bytes:,} bytes by {over:,} bytes"
+            )
+        self.held[label] = (category, nbytes)
+        self.live[category] += nbytes
+        self.peak[category] = max(self.peak[category], self.live[category])
+        self.peak_total = max(self.peak_total, self.live_total)
+
+    def free(self, label: str) -> None:
+        category, nbytes = self.held.pop(label)
+        self.live[category] -= nbytes
+
+    def mark(self, event: str) -> None:
+        """Record the live total at a point of the step (layer boundaries), when recording."""
+        if self.timeline is not None:
+            self.timeline.append((event, self.live_total))
+
+    def report(self) -> dict:
+        """Live and peak bytes by category, for history.json and the plots."""
+        return {"live": dict(self.live), "peak": dict(self.peak), "peak_total": self.peak_total}

@@ -1,0 +1,138 @@
+"""The character-level MLP as layers with mirrored forward and backward.
+
+Every layer has the same two methods:
+    forward(p, x)                 -> (out, cache)
+    backward(p, cache, dout, g)   -> dx        (writes the layer's gradients into g)
+p and g are dicts of arrays with the shapes in `layer.shapes`. A layer owns no parameters:
+whoever calls it decides where p and g live, which is exactly what the strategies change.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+from .rng import Rng
+
+Params = dict[str, np.ndarray]  # one layer's parameters (or gradients) by name
+
+
+class Embedding:
+    """Token ids -> vectors, flattened: (B, S) -> (B, S*E)."""
+
+    def __init__(self, name: str, vocab_size: int, emb_size: int) -> None:
+        self.name, self.emb_size = name, emb_size
+        self.shapes = {"W": (vocab_size, emb_size)}
+        self.init_scale = 1.0 / emb_size  # the seed's he_init(k) with k = 1/emb_size
+
+    def forward(self, p: Params, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = p["W"][tokens]  # (B, S) -> (B, S, E)
+        return out.reshape(len(tokens), -1), tokens  # (B, S*E)
+
+    def backward(self, p: Params, tokens: np.ndarray, dout: np.ndarray, g: Params) -> None:
+        g["W"][...] = 0
+        np.add.at(g["W"], tokens.ravel(), dout.reshape(-1, self.emb_size))  # scatter-add rows
+        return None  # tokens have no gradient
+
+
+class Linear:
+    """y = x @ W + b with W stored (in, out), row-major, as in the seed."""
+
+    def __init__(self, name: str, in_features: int, out_features: int) -> None:
+        self.name = name
+        self.shapes = {"W": (in_features, out_features), "b": (out_features,)}
+        self.init_scale = 1.0 / in_features  # the seed's k = 1/in_features (not its square root)
+
+    def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        out = x @ p["W"]  # (B, in) @ (in, out) -> (B, out)
+        out += p["b"]
+        return out, x
+
+    def backward(self, p: Params, x: np.ndarray, dout: np.ndarray, g: Params) -> np.ndarray:
+        np.matmul(x.T, dout, out=g["W"])  # (in, B) @ (B, out) -> (in, out)
+        np.sum(dout, axis=0, out=g["b"])
+        return dout @ p["W"].T  # (B, out) @ (out, in) -> (B, in)
+
+
+class ReLU:
+    """max(x, 0); no parameters. It keeps its input for backward (its output is the next cache)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.shapes, self.init_scale = name, {}, 0.0
+
+    def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.maximum(x, 0), x
+
+    def backward(self, p: Params, x: np.ndarray, dout: np.ndarray, g: Params) -> np.ndarray:
+        return dout * (x > 0)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax with the max subtracted; exp in float64 on float32 inputs, as the seed."""
+    exp = np.exp((logits - logits.max(axis=1, keepdims=True)).astype(np.float64))
+    return (exp / exp.sum(axis=1, keepdims=True)).astype(logits.dtype)
+
+
+class SoftmaxCrossEntropy:
+    """Mean cross-entropy of softmax(logits) over this rank's rows; log in float64."""
+
+    def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, tuple]:
+        probs = softmax(logits)  # (B, V)
+        loss = -np.mean(np.log(probs[np.arange(len(targets)), targets].astype(np.float64)))
+        return float(loss), (probs, targets)
+
+    def backward(self, cache: tuple) -> np.ndarray:
+        probs, targets = cache
+        dlogits = probs.copy()
+        dlogits[np.arange(len(targets)), targets] -= 1
+        dlogits /= len(targets)  # the mean over this rank's rows
+        return dlogits  # (B, V)
+
+
+class MLP:
+    """embedding -> fc1, ReLU -> (n_layers - 1) x (Linear, ReLU) -> output Linear."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        config.validate()
+        c = config
+        self.config = c
+        self.layers = [Embedding("emb", c.vocab_size, c.emb_size)]
+        in_features = c.seq_len * c.emb_size
+        for i in range(1, c.n_layers + 1):
+            self.layers += [Linear(f"fc{i}", in_features, c.hidden_size), ReLU(f"relu{i}")]
+            in_features = c.hidden_size
+        self.layers.append(Linear(f"fc{c.n_layers + 1}", c.hidden_size, c.vocab_size))
+        self.loss = SoftmaxCrossEntropy()
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(s)) for layer in self.layers for s in layer.shapes.values())
+
+    def init_params(self, rng: Rng, dtype=np.float32) -> dict[str, Params]:
+        """Uniform in [-k, k] as the seed's he_init(k) = 2k*u - k, drawn layer by layer in order."""
+        params = {}
+        for layer in self.layers:
+            k = np.float32(layer.init_scale)
+            params[layer.name] = {}
+            for name, shape in layer.shapes.items():
+                u = rng.uniform(int(np.prod(shape))).reshape(shape)  # float32 in [0, 1]
+                params[layer.name][name] = (np.float32(2) * k * u - k).astype(dtype)
+        return params
+
+
+def loss_and_grads(
+    model: MLP, params: dict[str, Params], X: np.ndarray, Y: np.ndarray
+) -> tuple[float, dict[str, Params]]:
+    """The reference: loss and every gradient of one batch, all parameters in one place."""
+    x, caches = X, []
+    for layer in model.layers:
+        x, cache = layer.forward(params[layer.name], x)
+        caches.append(cache)
+    loss, loss_cache = model.loss.forward(x, Y)
+    dx = model.loss.backward(loss_cache)
+    grads = {}
+    for layer, cache in zip(reversed(model.layers), reversed(caches), strict=True):
+        p = params[layer.name]
+        grads[layer.name] = {k: np.empty_like(v) for k, v in p.items()}
+        dx = layer.backward(p, cache, dx, grads[layer.name])
+    return loss, grads

@@ -1,0 +1,71 @@
+"""SGD and Adam on flat float32 arrays, in place, so they update a shard exactly like a full vector.
+
+Both use the gradient array as scratch (it is rewritten by the next backward), so a step
+allocates nothing: the memory ledger's accounting stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .memory import MemoryLedger
+
+
+class SGD:
+    """p -= lr * g: the seed's optimizer; it keeps no state."""
+
+    name = "sgd"
+    state_per_param = 0  # floats of optimizer state per parameter
+
+    def __init__(self, lr: float = 0.1) -> None:
+        self.lr = np.float32(lr)
+
+    def init_state(self, numel: int, ledger: MemoryLedger, label: str) -> dict:
+        return {}
+
+    def update(self, p: np.ndarray, g: np.ndarray, state: dict) -> None:
+        g *= self.lr
+        p -= g
+
+
+class Adam:
+    """Adam (Kingma & Ba) with bias correction; state m and v: 8 bytes per parameter."""
+
+    name = "adam"
+    state_per_param = 2
+
+    def __init__(
+        self, lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8
+    ) -> None:
+        self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
+
+    def init_state(self, numel: int, ledger: MemoryLedger, label: str) -> dict:
+        return {
+            "m": ledger.alloc("optimizer", numel, f"{label}.adam_m"),
+            "v": ledger.alloc("optimizer", numel, f"{label}.adam_v"),
+            "t": 0,
+        }
+
+    def update(self, p: np.ndarray, g: np.ndarray, state: dict) -> None:
+        m, v, b1, b2 = state["m"], state["v"], np.float32(self.beta1), np.float32(self.beta2)
+        state["t"] += 1
+        t = state["t"]
+        m -= g  # m = b1*m + (1-b1)*g, written as b1*(m - g) + g to need no temporary
+        m *= b1
+        m += g
+        g *= g  # g now holds g^2
+        v -= g  # v = b2*v + (1-b2)*g^2
+        v *= b2
+        v += g
+        # p -= lr * m_hat / (sqrt(v_hat) + eps), with the bias corrections folded into two scalars
+        correction = np.sqrt(1 - self.beta2**t)
+        step_size = np.float32(self.lr * correction / (1 - self.beta1**t))
+        np.sqrt(v, out=g)
+        g += np.float32(self.eps * correction)
+        np.divide(m, g, out=g)
+        g *= step_size
+        p -= g
+
+
+def make_optimizer(name: str, lr: float) -> SGD | Adam:
+    return SGD(lr) if name == "sgd" else Adam(lr)

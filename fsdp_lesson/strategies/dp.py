@@ -1,0 +1,24 @@
+"""dp: data parallelism. Every rank holds everything (as single); gradients are allreduce-meaned.
+
+The whole difference from `single` is one collective per layer in reduce_grads: each rank
+computed its gradient on B/N rows, and the mean of the N means is the full batch's gradient.
+"""
+
+from __future__ import annotations
+
+from .single import Single
+
+
+class DataParallel(Single):
+    """Full replicas; reduce_grads averages each layer's gradient over ranks (2Ψ traffic)."""
+
+    name = "dp"
+
+    def reduce_grads(self, layer) -> None:
+        self.comm.allreduce_mean(self.grads[layer.name])
+
+    def replicated(self):
+        arrays = {f"{name}.params": p for name, p in self.params.items()}
+        for name, state in self.opt_state.items():
+            arrays.update({f"{name}.{k}": v for k, v in state.items() if k != "t"})
+        return arrays

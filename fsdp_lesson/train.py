@@ -1,0 +1,163 @@
+"""The one training loop, evaluation and sampling; every strategy runs through these functions.
+
+Only the strategy's hooks differ between single, dp and the ZeRO stages: the loop below is
+the same for all of them (DESIGN.md, "the one idea the code is built around").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .comm import Comm
+from .config import ModelConfig, TrainConfig
+from .data import Dataset, GlobalBatchSampler, decode, rank_slice
+from .memory import MemoryLedger
+from .model import MLP, softmax
+from .optim import make_optimizer
+from .rng import Rng, make_rng
+from .strategies import Strategy, make_strategy
+
+
+def forward(model: MLP, strategy: Strategy, x: np.ndarray, keep: bool = False):
+    """Run every layer on x; return the logits and, when keep, the caches backward needs."""
+    caches = []
+    for layer in model.layers:
+        p = strategy.materialize(layer)
+        x, cache = layer.forward(p, x)
+        strategy.release(layer)
+        if keep:
+            caches.append(cache)
+            strategy.ledger.hold("activations", layer.name, cache.nbytes)
+        strategy.ledger.mark(f"forward {layer.name}")
+    return x, caches
+
+
+def train_step(model: MLP, strategy: Strategy, X: np.ndarray, Y: np.ndarray) -> float:
+    """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss."""
+    logits, caches = forward(model, strategy, X, keep=True)
+    loss, loss_cache = model.loss.forward(logits, Y)
+    dx = model.loss.backward(loss_cache)
+    for layer, cache in zip(reversed(model.layers), reversed(caches), strict=True):
+        p = strategy.materialize(layer)
+        dx = layer.backward(p, cache, dx, strategy.grad_buffer(layer))
+        strategy.reduce_grads(layer)
+        strategy.release(layer)
+        strategy.ledger.free(layer.name)  # this layer's activations are no longer needed
+        strategy.ledger.mark(f"backward {layer.name}")
+    strategy.step()
+    return loss
+
+
+def evaluate(
+    model: MLP, strategy: Strategy, data: Dataset, rng: Rng, batch_size: int, n_batches: int
+) -> float:
+    """Mean loss over n_batches global batches of the test split (every rank its slice)."""
+    comm, sampler = strategy.comm, GlobalBatchSampler(data.X_test, data.Y_test, batch_size, rng)
+    total = 0.0
+    for _ in range(n_batches):
+        X, Y = sampler.next()
+        logits, _ = forward(model, strategy, rank_slice(X, comm.rank, comm.size))
+        loss, _ = model.loss.forward(logits, rank_slice(Y, comm.rank, comm.size))
+        total += comm.mean_scalar(loss)
+    return total / max(n_batches, 1)
+
+
+def sample_name(
+    model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64
+) -> tuple[np.ndarray, int]:
+    """Generate one name as the seed does; returns the final context and the last token.
+
+    Every rank runs the forward (zero3 needs all ranks to gather) and draws u, keeping the
+    random streams aligned; rank 0's choice is broadcast so ranks can never disagree.
+    """
+    context = np.zeros((1, model.config.seq_len), dtype=np.uint8)
+    token = np.zeros(1, dtype=np.int32)
+    for _ in range(max_tokens):
+        logits, _ = forward(model, strategy, context)
+        probs = softmax(logits)[0]
+        u = rng.uniform(1)[0]
+        # walk the probabilities with a running float32 sum; the first with sum >= u
+        token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
+        strategy.comm.bcast(token, root=0)
+        if token[0] == 0:  # the boundary token ends the name
+            break
+        context = np.roll(context, -1, axis=1)
+        context[0, -1] = token[0]
+    return context[0], int(token[0])
+
+
+def format_sample(context: np.ndarray, token: int) -> str:
+    """The seed's line: the context tokens spaced out, then '-->' and the last token."""
+    return " ".join(decode(context)) + "  --> " + decode([token])
+
+
+@dataclass
+class History:
+    """What a run produced: losses, validation loss, samples, memory and traffic of this rank."""
+
+    model_config: dict
+    train_config: dict
+    world_size: int
+    losses: list[float] = field(default_factory=list)  # the global (rank-averaged) loss per step
+    local_losses: list[float] = field(default_factory=list)  # this rank's micro-batch loss
+    step_seconds: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    samples: list[str] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)  # this rank's ledger report
+    traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+
+def run(
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    comm: Comm | None = None,
+    data: Dataset | None = None,
+    on_log: Callable[[int, float], None] | None = None,
+) -> tuple[History, Strategy]:
+    """Train, evaluate and sample with the configured strategy on this rank's Comm."""
+    comm = comm or Comm()
+    train_config.validate(comm.size)  # the same verdict on every rank, before any collective
+    model_config.validate()
+    data = data or Dataset.load(seq_len=model_config.seq_len)
+    tc = train_config
+    rng = make_rng(tc.seed, tc.c_compat)
+    model = MLP(model_config)
+    params = model.init_params(rng)
+    ledger = MemoryLedger(rank=comm.rank)
+    optimizer = make_optimizer(tc.optimizer, tc.learning_rate)
+    strategy = make_strategy(tc.strategy, model, params, optimizer, comm, ledger)
+    history = History(model_config.__dict__.copy(), tc.to_dict(), comm.size)
+    sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch_size, rng)
+
+    for step in range(tc.steps):
+        start = time.perf_counter()
+        X, Y = sampler.next()
+        local_loss = train_step(
+            model,
+            strategy,
+            rank_slice(X, comm.rank, comm.size),
+            rank_slice(Y, comm.rank, comm.size),
+        )
+        loss = comm.mean_scalar(local_loss)
+        history.step_seconds.append(time.perf_counter() - start)
+        history.losses.append(loss)
+        history.local_losses.append(local_loss)
+        if on_log is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
+            on_log(step, loss)
+
+    history.memory = ledger.report()
+    history.traffic = comm.traffic_report()
+    history.val_loss = evaluate(model, strategy, data, rng, tc.batch_size, tc.eval_batches)
+    history.samples = [
+        format_sample(*sample_name(model, strategy, rng)) for _ in range(tc.n_samples)
+    ]
+    return history, strategy

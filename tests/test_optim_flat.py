@@ -1,0 +1,90 @@
+"""SGD and Adam on flat arrays (a shard updates like its slice of the full vector); FlatParam."""
+
+import numpy as np
+import pytest
+
+from fsdp_lesson.flat import FlatParam
+from fsdp_lesson.memory import MemoryLedger
+from fsdp_lesson.optim import SGD, Adam
+
+
+def adam_reference(p, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
+    """Textbook Adam in float64, one step per gradient."""
+    p, m, v = p.astype(np.float64), np.zeros_like(p, np.float64), np.zeros_like(p, np.float64)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return p
+
+
+def test_sgd_updates_in_place():
+    p, g = np.ones(5, np.float32), np.arange(5, dtype=np.float32)
+    SGD(0.1).update(p, g.copy(), {})
+    assert np.allclose(p, 1 - 0.1 * np.arange(5))
+
+
+def test_adam_matches_the_textbook():
+    rng = np.random.default_rng(0)
+    p0 = rng.standard_normal(100).astype(np.float32)
+    grads = [rng.standard_normal(100).astype(np.float32) for _ in range(20)]
+    adam, p = Adam(1e-2), p0.copy()
+    state = adam.init_state(100, MemoryLedger(), "x")
+    for g in grads:
+        adam.update(p, g.copy(), state)
+    expected = adam_reference(p0, grads, lr=1e-2)
+    np.testing.assert_allclose(p, expected, rtol=0, atol=1e-5)  # float32 against float64
+    assert state["t"] == 20
+
+
+@pytest.mark.parametrize("opt", [SGD(0.1), Adam(1e-3)])
+def test_a_shard_updates_exactly_like_its_slice(opt):
+    rng = np.random.default_rng(1)
+    p_full = rng.standard_normal(12).astype(np.float32)
+    p_shard = p_full[4:8].copy()
+    full_state = opt.init_state(12, MemoryLedger(), "full")
+    shard_state = opt.init_state(4, MemoryLedger(), "shard")
+    for _ in range(5):
+        g = rng.standard_normal(12).astype(np.float32)
+        opt.update(p_full, g.copy(), full_state)
+        opt.update(p_shard, g[4:8].copy(), shard_state)
+    assert np.array_equal(p_full[4:8], p_shard)  # bit for bit
+
+
+def test_adam_state_is_counted_by_the_ledger():
+    ledger = MemoryLedger()
+    Adam().init_state(1000, ledger, "fc1")
+    assert ledger.live["optimizer"] == 8000
+
+
+def test_flatparam_pads_to_a_multiple_of_the_world():
+    flat = FlatParam({"W": (5, 3), "b": (3,)}, world_size=4)
+    assert (flat.numel, flat.padded_numel, flat.shard_size, flat.padding) == (18, 20, 5, 2)
+    assert flat.shard_range(3) == (15, 20)
+    single = FlatParam({"W": (5, 3), "b": (3,)})
+    assert (single.padded_numel, single.padding) == (18, 0)
+
+
+def test_flatparam_round_trip_and_views_share_memory():
+    flat = FlatParam({"W": (4, 3), "b": (3,)}, world_size=3)  # 15 elements, padded to 15
+    arrays = {
+        "W": np.arange(12, dtype=np.float32).reshape(4, 3),
+        "b": np.array([7, 8, 9], np.float32),
+    }
+    buf = np.full(flat.padded_numel, -1, np.float32)
+    flat.flatten(arrays, out=buf)
+    views = flat.views(buf)
+    assert np.array_equal(views["W"], arrays["W"]) and np.array_equal(views["b"], arrays["b"])
+    views["b"][0] = 70
+    assert buf[12] == 70  # a view, not a copy
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6])
+def test_flatparam_shards_cover_the_vector_and_padding_is_zero(world):
+    flat = FlatParam({"W": (256, 64), "b": (64,)}, world_size=world)
+    arrays = {"W": np.ones((256, 64), np.float32), "b": np.ones(64, np.float32)}
+    buf = flat.flatten(arrays, out=np.full(flat.padded_numel, 5, np.float32))
+    shards = [flat.owned_shard(buf, r) for r in range(world)]
+    assert all(len(s) == flat.shard_size for s in shards)
+    assert np.array_equal(np.concatenate(shards), buf)
+    assert buf[: flat.numel].sum() == flat.numel and not buf[flat.numel :].any()
