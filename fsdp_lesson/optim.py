@@ -11,6 +11,20 @@ import numpy as np
 from .memory import MemoryLedger
 
 
+def flush_subnormals(x: np.ndarray, scratch: np.ndarray) -> None:
+    """Set float32 subnormals in x to zero, using `scratch` (same size) and allocating nothing.
+
+    Adam's m for a parameter that gets no gradient decays as 0.9^t into subnormals after
+    ~800 steps, and x86 computes on those about 100x slower (a 2x slower step here). This
+    is what torch.set_flush_denormal does in hardware; here: a float32 is subnormal when
+    its exponent bits are all zero, so multiply its bits by 0 then, else by 1.
+    """
+    bits, keep = x.view(np.int32), scratch.view(np.int32)
+    np.bitwise_and(bits, 0x7F800000, out=keep)  # the exponent bits
+    np.minimum(keep, 1, out=keep)  # 0 for zero and subnormals, 1 otherwise
+    bits *= keep
+
+
 class SGD:
     """p -= lr * g: the seed's optimizer; it keeps no state."""
 
@@ -65,6 +79,8 @@ class Adam:
         np.divide(m, g, out=g)
         g *= step_size
         p -= g
+        flush_subnormals(m, scratch=g)
+        flush_subnormals(v, scratch=g)
 
 
 def make_optimizer(name: str, lr: float) -> SGD | Adam:

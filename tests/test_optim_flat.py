@@ -5,7 +5,7 @@ import pytest
 
 from fsdp_lesson.flat import FlatParam
 from fsdp_lesson.memory import MemoryLedger
-from fsdp_lesson.optim import SGD, Adam
+from fsdp_lesson.optim import SGD, Adam, flush_subnormals
 
 
 def adam_reference(p, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
@@ -88,3 +88,11 @@ def test_flatparam_shards_cover_the_vector_and_padding_is_zero(world):
     assert all(len(s) == flat.shard_size for s in shards)
     assert np.array_equal(np.concatenate(shards), buf)
     assert buf[: flat.numel].sum() == flat.numel and not buf[flat.numel :].any()
+
+
+def test_flush_subnormals_zeroes_only_subnormals():
+    tiny = np.finfo(np.float32).tiny
+    x = np.array([1.0, -2.0, 1e-40, -1e-41, 0.0, tiny, -tiny, 3e38], dtype=np.float32)
+    scratch = np.empty_like(x)
+    flush_subnormals(x, scratch)
+    assert x.tolist() == np.array([1.0, -2.0, 0, 0, 0, tiny, -tiny, 3e38], np.float32).tolist()

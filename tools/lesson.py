@@ -1,0 +1,123 @@
+"""What `make run`, `make test` and `make lab` do: each with a local 4-engine MPI cluster.
+
+    python tools/lesson.py run    execute every notebook in order, render HTML to build/html/
+    python tools/lesson.py test   the whole test suite: unit, MPI (mpiexec) and nbval
+    python tools/lesson.py lab    JupyterLab beside a running cluster
+
+`run` and `test` use their own IPython directory (build/ipython), so a cluster a learner
+started by hand is never touched; the cluster they start is stopped again, even on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+N_ENGINES = 4
+START_TIMEOUT = 120  # seconds for the engines to register
+
+
+@contextmanager
+def mpi_cluster(n: int = N_ENGINES):
+    """Start `ipcluster --engines=MPI -n n` (profile default), yield, and always stop it."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=n, engines="mpi", profile="default", log_level=40)
+    print(f"starting a local cluster of {n} MPI engines ...", flush=True)
+    try:
+        cluster.start_cluster_sync()
+        with cluster.connect_client_sync() as client:
+            client.wait_for_engines(n, timeout=START_TIMEOUT)
+        yield cluster
+    finally:
+        cluster.stop_cluster_sync()
+        print("cluster stopped", flush=True)
+
+
+def isolate_ipython_dir() -> None:
+    """Keep this job's cluster files apart from a learner's own (~/.ipython)."""
+    os.environ["IPYTHONDIR"] = str(ROOT / "build" / "ipython")
+    os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no streaming, no progress widgets
+
+
+def run_lesson() -> int:
+    """Execute every notebook top to bottom against the cluster; write HTML; print a summary."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    isolate_ipython_dir()
+    html_dir = ROOT / "build" / "html"
+    html_dir.mkdir(parents=True, exist_ok=True)
+    summary = []
+    with mpi_cluster():
+        for path in NOTEBOOKS:
+            nb = nbformat.read(path, as_version=4)
+            start = time.perf_counter()
+            try:
+                NotebookClient(nb, timeout=900, kernel_name="python3",
+                               resources={"metadata": {"path": str(path.parent)}}).execute()
+                status = "executed OK"
+            except Exception as err:  # report and go on with the next notebook
+                status = f"FAILED: {type(err).__name__}: {str(err).strip().splitlines()[-1]}"
+            seconds = time.perf_counter() - start
+            body, _ = HTMLExporter().from_notebook_node(nb)
+            (html_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
+            summary.append((path.name, status, seconds))
+            print(f"{path.name:40s} {status} ({seconds:.1f} s)", flush=True)
+    print(f"\nHTML in {html_dir.relative_to(ROOT)}/")
+    for name, status, seconds in summary:
+        print(f"  {name:40s} {status:12s} {seconds:6.1f} s")
+    return 0 if all(status == "executed OK" for _, status, _ in summary) else 1
+
+
+def run_tests(pytest_args: list[str]) -> int:
+    """pytest over tests/ and the notebooks (nbval, strict), with the cluster the notebooks use."""
+    isolate_ipython_dir()
+    command = [sys.executable, "-m", "pytest", "tests", *map(str, NOTEBOOKS), "--nbval",
+               "--nbval-current-env", "--nbval-cell-timeout=600", "-p", "no:cacheprovider",
+               *pytest_args]
+    with mpi_cluster():
+        return subprocess.call(command, cwd=ROOT)
+
+
+def run_lab() -> int:
+    """JupyterLab in notebooks/, with a 4-engine MPI cluster (a running one is reused)."""
+    import ipyparallel as ipp
+
+    try:
+        with ipp.Client(profile="default", timeout=5) as client:
+            running = len(client.ids) >= N_ENGINES
+    except Exception:
+        running = False
+    lab = [sys.executable, "-m", "jupyter", "lab", "--notebook-dir", str(ROOT / "notebooks")]
+    if running:
+        print("using the running ipcluster (profile default)")
+        return subprocess.call(lab)
+    with mpi_cluster():
+        try:
+            return subprocess.call(lab)
+        except KeyboardInterrupt:
+            return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("job", choices=["run", "test", "lab"])
+    args, rest = parser.parse_known_args()
+    if args.job == "run":
+        return run_lesson()
+    if args.job == "test":
+        return run_tests(rest)
+    return run_lab()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
