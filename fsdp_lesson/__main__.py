@@ -139,7 +139,7 @@ def train_command(args) -> None:
     per_rank = comm.gather_objects({"memory": history.memory, "traffic": history.traffic})
     if args.out is not None and comm.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        record = history.__dict__ | {
+        record = history.to_dict() | {
             "memory": [r["memory"] for r in per_rank],
             "traffic": [r["traffic"] for r in per_rank],
         }

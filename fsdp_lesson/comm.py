@@ -8,6 +8,7 @@ needs no MPI at all.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -73,27 +74,37 @@ class Comm:
         self._scalar[0] = value
         return float(self.allreduce_mean(self._scalar)[0])
 
-    def allgather(self, shard: np.ndarray, full: np.ndarray) -> np.ndarray:
-        """full <- every rank's shard, concatenated in rank order (full.size == N * shard.size)."""
-        if full.size == 0:
+    def allgather(self, shard: np.ndarray | None, full: np.ndarray) -> np.ndarray:
+        """full <- every rank's shard, concatenated in rank order (full.size == N * shard.size).
+
+        shard=None works in place: this rank's slice of `full` already holds its shard.
+        """
+        if full.size == 0:  # a layer without parameters moves nothing
             return full
         with self._count("allgather", full.nbytes):
-            if self.mpi is None:
+            if self.mpi is not None:
+                self.mpi.Allgather(self.MPI.IN_PLACE if shard is None else shard, full)
+            elif shard is not None:
                 full[...] = shard
-            else:
-                self.mpi.Allgather(shard, full)
         return full
 
-    def reduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> np.ndarray:
-        """shard <- this rank's slice of the mean over ranks of `full` (Reduce_scatter_block)."""
+    def reduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray | None) -> np.ndarray:
+        """shard <- this rank's slice of the mean over ranks of `full` (Reduce_scatter_block).
+
+        shard=None works in place: the result lands in full[:S] (MPI_IN_PLACE), returned.
+        """
+        in_place = shard is None
+        if in_place:
+            shard = full[: full.size // self.size]
         if full.size == 0:
             return shard
         with self._count("reduce_scatter", full.nbytes):
-            if self.mpi is None:
-                shard[...] = full
-            else:
-                self.mpi.Reduce_scatter_block(full, shard, op=self.MPI.SUM)
+            if self.mpi is not None:
+                send, recv = (self.MPI.IN_PLACE, full) if in_place else (full, shard)
+                self.mpi.Reduce_scatter_block(send, recv, op=self.MPI.SUM)
                 shard /= shard.dtype.type(self.size)
+            elif not in_place:
+                shard[...] = full
         return shard
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
@@ -114,6 +125,15 @@ class Comm:
         flag = np.array([1 if ok else 0], dtype=np.int32)
         self.mpi.Allreduce(self.MPI.IN_PLACE, flag, op=self.MPI.MIN)
         return bool(flag[0])
+
+    def same_everywhere(self, array: np.ndarray) -> bool:
+        """Whether `array` is bit-identical on every rank (compares sha256 digests; not counted)."""
+        if self.mpi is None:
+            return True
+        digest = np.frombuffer(hashlib.sha256(np.ascontiguousarray(array)).digest(), np.uint8)
+        digests = np.empty((self.size, digest.size), dtype=np.uint8)
+        self.mpi.Allgather(digest, digests)
+        return bool((digests == digests[0]).all())
 
     def gather_objects(self, obj) -> list | None:
         """Every rank's obj as a list on rank 0 (None elsewhere); pickled, so once per run only."""

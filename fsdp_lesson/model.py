@@ -69,8 +69,10 @@ class ReLU:
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax with the max subtracted; exp in float64 on float32 inputs, as the seed."""
-    exp = np.exp((logits - logits.max(axis=1, keepdims=True)).astype(np.float64))
-    return (exp / exp.sum(axis=1, keepdims=True)).astype(logits.dtype)
+    exp = (logits - logits.max(axis=1, keepdims=True)).astype(np.float64)
+    np.exp(exp, out=exp)
+    exp /= exp.sum(axis=1, keepdims=True)
+    return exp.astype(logits.dtype)
 
 
 class SoftmaxCrossEntropy:
@@ -78,12 +80,12 @@ class SoftmaxCrossEntropy:
 
     def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, tuple]:
         probs = softmax(logits)  # (B, V)
-        loss = -np.mean(np.log(probs[np.arange(len(targets)), targets].astype(np.float64)))
-        return float(loss), (probs, targets)
+        picked = probs[np.arange(len(targets)), targets].astype(np.float64)
+        return float(-np.mean(np.log(picked))), (probs, targets)
 
     def backward(self, cache: tuple) -> np.ndarray:
-        probs, targets = cache
-        dlogits = probs.copy()
+        """(probs - onehot(targets)) / B, computed in place in the cache's probs."""
+        dlogits, targets = cache
         dlogits[np.arange(len(targets)), targets] -= 1
         dlogits /= len(targets)  # the mean over this rank's rows
         return dlogits  # (B, V)

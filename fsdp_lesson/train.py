@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,17 +40,27 @@ def forward(model: MLP, strategy: Strategy, x: np.ndarray, keep: bool = False):
 
 
 def train_step(model: MLP, strategy: Strategy, X: np.ndarray, Y: np.ndarray) -> float:
-    """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss."""
+    """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss.
+
+    The ledger counts as activations the caches kept for backward and the gradient that
+    flows back (dx), so that it accounts for every sizeable array of the step.
+    """
+    ledger = strategy.ledger
     logits, caches = forward(model, strategy, X, keep=True)
     loss, loss_cache = model.loss.forward(logits, Y)
-    dx = model.loss.backward(loss_cache)
-    for layer, cache in zip(reversed(model.layers), reversed(caches), strict=True):
+    dx = model.loss.backward(loss_cache)  # in place in the cache's probs
+    del logits, loss_cache  # no stray references: what the ledger frees is really freed
+    ledger.hold("activations", "dx", dx.nbytes)
+    for layer in reversed(model.layers):
         p = strategy.materialize(layer)
-        dx = layer.backward(p, cache, dx, strategy.grad_buffer(layer))
+        # the cache is popped so that its array is really freed after this layer
+        dx = layer.backward(p, caches.pop(), dx, strategy.grad_buffer(layer))
         strategy.reduce_grads(layer)
         strategy.release(layer)
-        strategy.ledger.free(layer.name)  # this layer's activations are no longer needed
-        strategy.ledger.mark(f"backward {layer.name}")
+        ledger.replace("activations", "dx", 0 if dx is None else dx.nbytes)
+        ledger.free(layer.name)  # this layer's cache is no longer needed
+        ledger.mark(f"backward {layer.name}")
+    ledger.free("dx")
     strategy.step()
     return loss
 
@@ -99,21 +110,57 @@ def format_sample(context: np.ndarray, token: int) -> str:
 
 @dataclass
 class History:
-    """What a run produced: losses, validation loss, samples, memory and traffic of this rank."""
+    """What a run produced: losses, validation loss, samples, memory and traffic of this rank.
+
+    The per-step series are numpy arrays allocated before training, so recording a step
+    allocates nothing (and tracemalloc sees only what training itself allocates).
+    """
 
     model_config: dict
     train_config: dict
     world_size: int
-    losses: list[float] = field(default_factory=list)  # the global (rank-averaged) loss per step
-    local_losses: list[float] = field(default_factory=list)  # this rank's micro-batch loss
-    step_seconds: list[float] = field(default_factory=list)
+    losses: np.ndarray  # the global (rank-averaged) loss per step
+    local_losses: np.ndarray  # this rank's micro-batch loss per step
+    step_seconds: np.ndarray
     val_loss: float | None = None
     samples: list[str] = field(default_factory=list)
     memory: dict = field(default_factory=dict)  # this rank's ledger report
     traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
 
+    @classmethod
+    def for_steps(cls, model_config: ModelConfig, train_config: TrainConfig, world_size: int):
+        steps = train_config.steps
+        return cls(
+            asdict(model_config),
+            train_config.to_dict(),
+            world_size,
+            np.zeros(steps),
+            np.zeros(steps),
+            np.zeros(steps),
+        )
+
+    def to_dict(self) -> dict:
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(self).items()}
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+
+class ReplicaMismatch(RuntimeError):
+    """State that every rank should hold identically differs between ranks: a sharding bug."""
+
+
+def check_replicas(strategy: Strategy) -> None:
+    """Raise on every rank if any replicated array is not bit-identical on all ranks.
+
+    The seed's FSDP program let bias gradients stay local, so the ranks' biases drifted
+    apart; this check catches that class of bug after every run.
+    """
+    differ = [
+        name for name, a in strategy.replicated().items() if not strategy.comm.same_everywhere(a)
+    ]
+    if differ:
+        raise ReplicaMismatch(f"replicated state differs between ranks: {', '.join(differ)}")
 
 
 def run(
@@ -122,8 +169,12 @@ def run(
     comm: Comm | None = None,
     data: Dataset | None = None,
     on_log: Callable[[int, float], None] | None = None,
+    trace_memory: bool = False,
 ) -> tuple[History, Strategy]:
-    """Train, evaluate and sample with the configured strategy on this rank's Comm."""
+    """Train, evaluate and sample with the configured strategy on this rank's Comm.
+
+    trace_memory: also measure the peak with tracemalloc (slower), to check the ledger.
+    """
     comm = comm or Comm()
     train_config.validate(comm.size)  # the same verdict on every rank, before any collective
     model_config.validate()
@@ -134,30 +185,33 @@ def run(
     params = model.init_params(rng)
     ledger = MemoryLedger(rank=comm.rank)
     optimizer = make_optimizer(tc.optimizer, tc.learning_rate)
+    history = History.for_steps(model_config, tc, comm.size)
+    if trace_memory:
+        tracemalloc.start()
     strategy = make_strategy(tc.strategy, model, params, optimizer, comm, ledger)
-    history = History(model_config.__dict__.copy(), tc.to_dict(), comm.size)
+    del params  # the strategy holds the parameters now, laid out its way
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch_size, rng)
 
     for step in range(tc.steps):
         start = time.perf_counter()
         X, Y = sampler.next()
-        local_loss = train_step(
-            model,
-            strategy,
-            rank_slice(X, comm.rank, comm.size),
-            rank_slice(Y, comm.rank, comm.size),
-        )
+        X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
+        local_loss = train_step(model, strategy, X, Y)
         loss = comm.mean_scalar(local_loss)
-        history.step_seconds.append(time.perf_counter() - start)
-        history.losses.append(loss)
-        history.local_losses.append(local_loss)
+        history.step_seconds[step] = time.perf_counter() - start
+        history.losses[step] = loss
+        history.local_losses[step] = local_loss
         if on_log is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
             on_log(step, loss)
 
-    history.memory = ledger.report()
     history.traffic = comm.traffic_report()
     history.val_loss = evaluate(model, strategy, data, rng, tc.batch_size, tc.eval_batches)
     history.samples = [
         format_sample(*sample_name(model, strategy, rng)) for _ in range(tc.n_samples)
     ]
+    history.memory = ledger.report()
+    if trace_memory:
+        history.memory["tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    check_replicas(strategy)
     return history, strategy

@@ -1,8 +1,9 @@
 """environment.yml (conda) and pyproject.toml (pip) must ask for the same packages."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

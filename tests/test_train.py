@@ -42,7 +42,8 @@ def test_training_is_deterministic_and_learns(data):
     config = TrainConfig(steps=300, eval_batches=5, n_samples=3)
     a, _ = run(ModelConfig(), config, data=data)
     b, _ = run(ModelConfig(), config, data=data)
-    assert a.losses == b.losses and a.val_loss == b.val_loss and a.samples == b.samples
+    assert np.array_equal(a.losses, b.losses)
+    assert a.val_loss == b.val_loss and a.samples == b.samples
     assert np.mean(a.losses[-50:]) < np.mean(a.losses[:50]) - 0.3
 
 

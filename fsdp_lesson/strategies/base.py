@@ -38,6 +38,28 @@ class Strategy:
         # world_size 1: one unpadded flat vector per layer; N: padded to a multiple of N
         self.layout = {layer.name: FlatParam(layer.shapes, world_size) for layer in model.layers}
 
+    def alloc_per_layer(self, category: str, size: str, what: str = "") -> dict[str, np.ndarray]:
+        """One zeroed flat float32 array per layer, counted by the ledger under `category`.
+
+        size names the FlatParam length: "numel" (unpadded), "padded_numel" or "shard_size".
+        """
+        return {
+            name: self.ledger.alloc(category, getattr(flat, size), f"{name}.{what or category}")
+            for name, flat in self.layout.items()
+        }
+
+    def init_optimizer_state(self, size: str) -> dict[str, dict]:
+        """The optimizer's state per layer for `size` parameters ("numel" or "shard_size")."""
+        return {
+            name: self.optimizer.init_state(getattr(flat, size), self.ledger, name)
+            for name, flat in self.layout.items()
+        }
+
+    def load_full_params(self, params: dict[str, Params], into: dict[str, np.ndarray]) -> None:
+        """Copy shaped initial parameters into full flat buffers (padding stays zero)."""
+        for name, flat in self.layout.items():
+            flat.flatten(params[name], out=into[name])
+
     def materialize(self, layer) -> Params:
         raise NotImplementedError
 

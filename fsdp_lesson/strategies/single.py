@@ -13,15 +13,12 @@ class Single(Strategy):
 
     def __init__(self, model, params, optimizer, comm, ledger) -> None:
         super().__init__(model, params, optimizer, comm, ledger, world_size=1)
-        self.params, self.grads, self.opt_state = {}, {}, {}
-        self.param_views, self.grad_views = {}, {}
-        for name, flat in self.layout.items():
-            self.params[name] = ledger.alloc("params", flat.numel, f"{name}.params")
-            self.grads[name] = ledger.alloc("grads", flat.numel, f"{name}.grads")
-            self.opt_state[name] = optimizer.init_state(flat.numel, ledger, name)
-            flat.flatten(params[name], out=self.params[name])
-            self.param_views[name] = flat.views(self.params[name])
-            self.grad_views[name] = flat.views(self.grads[name])
+        self.params = self.alloc_per_layer("params", "numel")
+        self.grads = self.alloc_per_layer("grads", "numel")
+        self.opt_state = self.init_optimizer_state("numel")
+        self.load_full_params(params, into=self.params)
+        self.param_views = {name: f.views(self.params[name]) for name, f in self.layout.items()}
+        self.grad_views = {name: f.views(self.grads[name]) for name, f in self.layout.items()}
 
     def materialize(self, layer) -> Params:
         return self.param_views[layer.name]
@@ -34,7 +31,4 @@ class Single(Strategy):
             self.optimizer.update(self.params[name], self.grads[name], self.opt_state[name])
 
     def full_params(self) -> dict[str, Params]:
-        return {
-            name: {k: v.copy() for k, v in views.items()}
-            for name, views in self.param_views.items()
-        }
+        return {n: {k: v.copy() for k, v in views.items()} for n, views in self.param_views.items()}

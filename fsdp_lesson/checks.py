@@ -1,0 +1,90 @@
+"""Two one-line checks the notebooks use: compare arrays, and check an exercise's answer.
+
+    compare("fc1.W", a, b)            fc1.W      exact | approx  max diff 3e-08 | DIFFERS ...
+    check("n_rows", answer, expected) ✓ n_rows: correct | ✗ n_rows: expected 5, got 4 — hint
+
+Both print one line with deterministic text and return a bool; neither raises, so a wrong
+answer in a notebook shows a ✗ and the notebook carries on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NAME_WIDTH = 10  # compare's names are padded to this width so that the verdicts line up
+
+
+def _diff_text(diff: float) -> str:
+    """A difference with one significant digit ('3e-08'), so float noise rarely changes it."""
+    return "nan" if np.isnan(diff) else f"{diff:.0e}"
+
+
+def compare(name: str, a, b, atol: float = 1e-6) -> bool:
+    """Print `name exact`, `name approx  max diff D` or `name DIFFERS max diff D`; True if
+    a and b have the same shape and agree within atol (max absolute difference)."""
+    a, b = np.asarray(a), np.asarray(b)
+    label = f"{name:<{NAME_WIDTH}}"
+    if a.shape != b.shape:
+        print(f"{label} DIFFERS shape {a.shape} vs {b.shape}")
+        return False
+    if np.array_equal(a, b):
+        print(f"{label} exact")
+        return True
+    diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+    if diff <= atol:  # False for nan
+        print(f"{label} approx  max diff {_diff_text(diff)}")
+        return True
+    print(f"{label} DIFFERS max diff {_diff_text(diff)}")
+    return False
+
+
+def _show(value) -> str:
+    """A short, address-free text for an answer: lists for arrays, plain numbers for scalars."""
+    if isinstance(value, np.ndarray) and value.size > 12:
+        return f"an array of shape {value.shape}"
+    if hasattr(value, "tolist"):  # numpy arrays and scalars: no 'np.int64(5)' or 'array(...)'
+        value = value.tolist()
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _not_answered(answer) -> bool:
+    if answer is None or answer is Ellipsis:
+        return True
+    if isinstance(answer, (list, tuple)):
+        return any(_not_answered(item) for item in answer)
+    return False
+
+
+def _equal(answer, expected, atol: float | None) -> bool:
+    try:
+        a, e = np.asarray(answer), np.asarray(expected)
+        if a.shape != e.shape:
+            return False
+        if atol is None:
+            return bool(np.array_equal(a, e))
+        return bool(np.allclose(a, e, rtol=0, atol=atol))
+    except (TypeError, ValueError):  # answers numpy cannot compare: compare them as objects
+        try:
+            return bool(answer == expected)
+        except Exception:
+            return False
+
+
+def check(name: str, answer, expected, hint: str = "", atol: float | None = None) -> bool:
+    """Print `✓ name: correct` or `✗ name: ...` with the hint; True when answer == expected.
+
+    An answer still None or ... (the exercise's placeholder) prints `✗ name: not answered yet`
+    without giving the expected value away. Arrays compare elementwise (within atol if given).
+    """
+    tail = f" — {hint}" if hint else ""
+    if _not_answered(answer):
+        print(f"✗ {name}: not answered yet{tail}")
+        return False
+    if _equal(answer, expected, atol):
+        print(f"✓ {name}: correct")
+        return True
+    print(f"✗ {name}: expected {_show(expected)}, got {_show(answer)}{tail}")
+    return False

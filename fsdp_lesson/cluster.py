@@ -1,0 +1,331 @@
+"""Connect to a cluster of MPI engines, check it is one MPI world, and run functions on every rank.
+
+A notebook calls ``ranks = connect(n=4)`` once. It uses the ``ipcluster`` that is running for
+the profile, or starts one that is stopped again when Python exits. ``ranks.run(fn)`` runs
+``fn`` on every engine and returns the results ordered by MPI rank (engine ids are not ranks).
+Every wait has a timeout: a rank that raises while the others wait in a collective gives one
+clear error instead of a cell that never returns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ipyparallel as ipp
+from ipyparallel.datapub import publish_data
+from ipyparallel.error import EngineError
+from IPython import get_ipython
+from IPython.display import display
+from traitlets.config import Config
+
+# ipyparallel's info lines ("Starting 4 engines ...") stay out of notebook outputs.
+_log = logging.getLogger(__name__)
+# After one rank fails, how long the others get to finish before we call them stuck.
+_GRACE_SECONDS = 3.0
+# How often run() wakes up to refresh the progress line.
+_POLL_SECONDS = 0.25
+
+
+class ClusterError(RuntimeError):
+    """The engines cannot be used as one MPI world; the message says why and how to fix it."""
+
+
+class RankError(RuntimeError):
+    """A rank raised an exception (or its engine died) inside Ranks.run."""
+
+    def __init__(self, rank: int, ename: str, evalue: str, detail: str = "") -> None:
+        self.rank, self.ename, self.evalue = rank, ename, evalue
+        super().__init__(f"rank {rank} raised {ename}: {evalue}{detail}")
+
+
+def _how_to_fix(n: int, profile: str, owned: bool) -> str:
+    """The exact commands that give n engines forming one MPI world."""
+    if owned:
+        mpiexec = _mpiexec()
+        return (
+            f"connect() started the engines with {mpiexec}; check that it runs one MPI world "
+            f"with the MPI that mpi4py uses: {mpiexec} -n {n} {sys.executable} -m mpi4py.bench "
+            f"helloworld"
+        )
+    flag = "" if profile == "default" else f" --profile={profile}"
+    return f"ipcluster stop{flag}; ipcluster start --engines=MPI -n {n}{flag}"
+
+
+def _mpiexec() -> str:
+    """mpiexec from PATH, else the one beside this Python (the mpich wheel's, venv not on PATH)."""
+    return shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def _rank_and_size() -> tuple[int, int]:
+    """Runs on an engine: its place in MPI.COMM_WORLD."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _ids_in_rank_order(client: ipp.Client, n: int, timeout: float, fix: str) -> list[int]:
+    """Check that the engines are exactly one MPI world of size n; return their ids by rank."""
+    ids = client.ids
+    if len(ids) > n:
+        raise ClusterError(
+            f"The cluster has {len(ids)} engines but n={n} were asked for. Use connect(n="
+            f"{len(ids)}), or a cluster of exactly {n} engines. Fix: {fix}"
+        )
+    try:
+        worlds = client.direct_view(ids).apply_async(_rank_and_size).get(timeout=timeout)
+    except Exception as err:
+        raise ClusterError(
+            f"Could not ask the engines for their MPI rank ({type(err).__name__}: {err}). "
+            f"Is mpi4py installed for the engines' Python? Fix: {fix}"
+        ) from err
+    world_of = dict(zip(ids, worlds, strict=True))  # engine id -> (rank, size)
+    sizes = sorted({size for _, size in worlds})
+    if n > 1 and sizes == [1]:
+        raise ClusterError(
+            f"The {n} engines are not one MPI world (each reports COMM_WORLD size 1): they were "
+            f"not started as one MPI job, as when a cluster is started without --engines=MPI. "
+            f"Fix: {fix}"
+        )
+    if sizes != [n] or sorted(rank for rank, _ in worlds) != list(range(n)):
+        found = ", ".join(
+            f"engine {eid}: rank {rank} of {size}" for eid, (rank, size) in world_of.items()
+        )
+        raise ClusterError(
+            f"The engines are not one MPI world of size {n} ({found}). "
+            f"Use a cluster of exactly {n} MPI engines. Fix: {fix}"
+        )
+    return sorted(ids, key=lambda eid: world_of[eid][0])
+
+
+def _wait_for_engines(client: ipp.Client, n: int, timeout: float, fix: str) -> None:
+    """Wait at most `timeout` seconds for n engines to register with the controller."""
+    try:
+        client.wait_for_engines(n, timeout=timeout, interactive=False)
+    except (TimeoutError, EngineError) as err:
+        raise ClusterError(
+            f"Only {len(client.ids)} of the {n} engines asked for came up within {timeout:g} s "
+            f"({err}). Fix: {fix}"
+        ) from err
+
+
+def _running_cluster(profile: str) -> ipp.Cluster | None:
+    """The cluster `ipcluster start` runs for this profile, or None (stale files count as none)."""
+    try:
+        cluster = ipp.Cluster.from_file(profile=profile, cluster_id="", log=_log)
+    except FileNotFoundError:
+        return None
+    # from_file checks the recorded controller pid: a dead controller leaves `controller` None.
+    return cluster if cluster.controller is not None else None
+
+
+def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
+    """Connect to the running ipcluster of `profile` (or start one); check it is one MPI world."""
+    cluster = _running_cluster(profile)
+    owned = cluster is None
+    if owned:  # start our own; ipyparallel stops it when Python exits (shutdown_atexit)
+        cluster = ipp.Cluster(
+            n=n,
+            engines="mpi",
+            profile=profile,
+            shutdown_atexit=True,
+            log=_log,
+            config=Config({"MPILauncher": {"mpi_cmd": [_mpiexec()]}}),
+        )
+    fix = _how_to_fix(n, profile, owned)
+    try:
+        if owned:
+            cluster.start_cluster_sync()
+        client = cluster.connect_client_sync(timeout=timeout)
+    except Exception as err:
+        if owned:
+            cluster.stop_cluster_sync()
+        raise ClusterError(
+            f"No answer from the controller of profile {profile!r} "
+            f"({type(err).__name__}: {err}). Fix: {fix}"
+        ) from err
+    try:
+        _wait_for_engines(client, n, timeout, fix)
+        ids_by_rank = _ids_in_rank_order(client, n, timeout, fix)
+    except ClusterError:
+        client.close()
+        if owned:
+            cluster.stop_cluster_sync()
+        raise
+    return Ranks(client, ids_by_rank, profile, timeout, cluster if owned else None)
+
+
+class Ranks:
+    """The engines of one MPI world, in rank order: run a function on all of them."""
+
+    def __init__(
+        self,
+        client: ipp.Client,
+        ids_by_rank: list[int],
+        profile: str,
+        timeout: float,
+        cluster: ipp.Cluster | None,
+    ) -> None:
+        self.client = client
+        self.view = client.direct_view(ids_by_rank)  # view.targets[r] is the engine of rank r
+        self.view.block = True  # so %px, after view.activate(), waits and shows the output
+        self.n = len(ids_by_rank)
+        self._profile = profile
+        self._timeout = timeout
+        self.cluster = cluster  # the ipyparallel Cluster if connect() started it, else None
+
+    def __repr__(self) -> str:
+        return f"<Ranks n={self.n} engines by rank={self.view.targets}>"
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 300,
+        progress: int | None = None,
+        **kwargs: Any,
+    ) -> list:
+        """Run fn(*args, **kwargs) on every rank; return the results as a list ordered by rank."""
+        ar = self.view.apply_async(fn, *args, **kwargs)
+        per_rank = ar.split()  # one AsyncResult per engine, in view.targets order = rank order
+        line = _ProgressLine(progress) if progress and not _noninteractive() else None
+        deadline = time.monotonic() + timeout
+        pending = set(per_rank)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stuck = [r for r, part in enumerate(per_rank) if not part.done()]
+                note = self._recover(f"Ranks {stuck} were still running")
+                raise TimeoutError(
+                    f"{_name(fn)} did not finish within {timeout:g} s: "
+                    f"ranks {stuck} had not finished.{note}"
+                )
+            _, pending = concurrent.futures.wait(
+                pending,
+                timeout=min(left, _POLL_SECONDS),
+                return_when=concurrent.futures.FIRST_EXCEPTION,
+            )
+            failed = [r for r, part in enumerate(per_rank) if part.done() and part.exception()]
+            if failed:
+                self._raise_rank_error(per_rank, failed[0])
+            if line:
+                line.update(ar["data"][0])
+        if line:
+            ar.wait_for_output(timeout=1)  # progress messages may trail the results
+            line.update(ar["data"][0])
+            line.close()
+        return [part.result(timeout=0) for part in per_rank]
+
+    def _raise_rank_error(self, per_rank: list, rank: int) -> None:
+        """Give the others a moment, restart stuck or dead engines, raise RankError for `rank`."""
+        err = per_rank[rank].exception()
+        concurrent.futures.wait([p for p in per_rank if not p.done()], timeout=_GRACE_SECONDS)
+        stuck = [r for r, part in enumerate(per_rank) if not part.done()]
+        ename = getattr(err, "ename", type(err).__name__)
+        evalue = getattr(err, "evalue", str(err))
+        note = ""
+        if ename == "EngineError":
+            note = self._recover("An engine died, and that ends the MPI job of all the engines")
+        elif stuck:
+            note = self._recover(
+                f"Ranks {stuck} were still running, probably waiting for rank {rank} in MPI"
+            )
+        remote_tb = _strip_ansi(getattr(err, "traceback", None) or "")
+        detail = note + (f"\n\nTraceback on rank {rank}:\n{remote_tb}" if remote_tb else "")
+        raise RankError(rank, ename, evalue, detail) from err
+
+    def _recover(self, what: str) -> str:
+        """Restart the engines after `what` went wrong; return a note for the error message."""
+        if self.cluster is None:
+            fix = _how_to_fix(self.n, self._profile, owned=False)
+            return (
+                f"\n{what}. These engines cannot recover on their own (a rank blocked in MPI "
+                f"ignores interrupts): restart the cluster with\n  {fix}\nthen run connect() again."
+            )
+        self._restart_engines()
+        return f"\n{what}, so the engines were restarted (their variables are gone)."
+
+    def _restart_engines(self) -> None:
+        """Kill the engine set and start a fresh one; a rank blocked in MPI ignores SIGTERM."""
+        old = set(self.view.targets)
+        self.cluster.signal_engines_sync(signal.SIGKILL)
+        self.cluster.stop_engines_sync()
+        # New engines reuse the old ids, so wait for the old ones to unregister first.
+        deadline = time.monotonic() + self._timeout
+        while old & set(self.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.cluster.start_engines_sync(self.n)
+        fix = _how_to_fix(self.n, self._profile, owned=True)
+        _wait_for_engines(self.client, self.n, self._timeout, fix)
+        # Update the view in place, so a view activated for %px keeps working.
+        self.view.targets = _ids_in_rank_order(self.client, self.n, self._timeout, fix)
+
+    def close(self) -> None:
+        """Close the client; stop the cluster too if connect() started it."""
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.stop_cluster_sync()
+            self.cluster = None
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _ProgressLine:
+    """One line, 'step s/total  loss x', updated in place while run() waits."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        shell = get_ipython()
+        in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
+        self.handle = display(self._text({}), raw=True, display_id=True) if in_kernel else None
+
+    def _text(self, data: dict) -> dict:
+        text = f"step {data.get('step', 0)}/{self.total}"
+        if "loss" in data:
+            text += f"  loss {data['loss']:.4f}"
+        return {"text/plain": text}
+
+    def update(self, data: dict) -> None:
+        if self.handle is not None:
+            self.handle.update(self._text(data), raw=True)
+        else:
+            sys.stdout.write("\r" + self._text(data)["text/plain"])
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.handle is None:
+            sys.stdout.write("\n")
+
+
+def report_progress(step: int, loss: float) -> None:
+    """On an engine, send (step, loss) to run()'s progress line; elsewhere, do nothing."""
+    kernel = sys.modules.get("ipyparallel.engine.kernel")  # imported only inside an engine
+    if kernel is not None and kernel.IPythonParallelKernel.initialized():
+        publish_data({"step": int(step), "loss": float(loss)})
+
+
+def _noninteractive() -> bool:
+    """True under CI: IPP_NONINTERACTIVE=1 turns progress output off, as in ipyparallel."""
+    return os.environ.get("IPP_NONINTERACTIVE", "") not in {"", "0"}
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """A function's name for messages."""
+    return getattr(fn, "__name__", repr(fn))
+
+
+def _strip_ansi(text: str) -> str:
+    """Remote tracebacks come colored; drop the escape codes for plain error messages."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)

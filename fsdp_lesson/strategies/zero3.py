@@ -1,0 +1,64 @@
+"""zero3 (ZeRO stage 3, P_os+g+p, the idea of PyTorch FSDP): shard the parameters themselves.
+
+A rank keeps only its shard of every layer's parameters, gradients and optimizer state.
+Before a layer runs (forward, and again in backward) its shards are allgathered into one
+preallocated gather buffer, sized for the largest layer's parameters and gradients as in the
+seed's flat buffer; after backward the layer's gradient is reduce-scattered into the owned
+gradient shard. Traffic: allgather forward + allgather backward + reduce-scatter = 3Ψ.
+"""
+
+from __future__ import annotations
+
+from ..model import Params
+from .base import Strategy
+
+
+class ZeRO3(Strategy):
+    """Shards only; one layer at a time is gathered into the gather buffer."""
+
+    name = "zero3"
+
+    def __init__(self, model, params, optimizer, comm, ledger) -> None:
+        super().__init__(model, params, optimizer, comm, ledger, world_size=comm.size)
+        self.params = self.alloc_per_layer("params", "shard_size", "param_shard")
+        self.grads = self.alloc_per_layer("grads", "shard_size", "grad_shard")
+        self.opt_state = self.init_optimizer_state("shard_size")
+        largest = max(flat.padded_numel for flat in self.layout.values())
+        gather = ledger.alloc("buffers", 2 * largest, "gather_buffer")  # [params | grads]
+        self.gathered_params, self.gathered_grads = gather[:largest], gather[largest:]
+        self.gathered: str | None = None  # the one layer materialized now, if any
+        for name, flat in self.layout.items():  # keep only the owned slice of the initial values
+            full = flat.flatten(params[name], out=self.gathered_params[: flat.padded_numel])
+            self.params[name][...] = flat.owned_shard(full, comm.rank)
+
+    def materialize(self, layer) -> Params:
+        """Allgather the layer's shards into the gather buffer; return views of the full layer."""
+        assert self.gathered is None, f"{self.gathered} is still materialized"
+        flat = self.layout[layer.name]
+        full = self.comm.allgather(
+            self.params[layer.name], self.gathered_params[: flat.padded_numel]
+        )
+        self.gathered = layer.name
+        return flat.views(full)
+
+    def release(self, layer) -> None:
+        self.gathered = None  # the buffer is free for the next layer
+
+    def grad_buffer(self, layer) -> Params:
+        flat = self.layout[layer.name]
+        return flat.views(self.gathered_grads[: flat.padded_numel])
+
+    def reduce_grads(self, layer) -> None:
+        full = self.gathered_grads[: self.layout[layer.name].padded_numel]
+        self.comm.reduce_scatter_mean(full, self.grads[layer.name])
+
+    def step(self) -> None:
+        for name in self.layout:
+            self.optimizer.update(self.params[name], self.grads[name], self.opt_state[name])
+
+    def full_params(self) -> dict[str, Params]:
+        out = {}
+        for layer in self.model.layers:
+            out[layer.name] = {k: v.copy() for k, v in self.materialize(layer).items()}
+            self.release(layer)
+        return out
