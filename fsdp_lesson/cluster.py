@@ -193,35 +193,44 @@ class Ranks:
         progress: int | None = None,
         **kwargs: Any,
     ) -> list:
-        """Run fn(*args, **kwargs) on every rank; return the results as a list ordered by rank."""
+        """Run fn(*args, **kwargs) on every rank; return the results as a list ordered by rank.
+
+        Raises RankError as soon as one rank fails, and TimeoutError after `timeout` seconds.
+        Engines left stuck (e.g. in a collective the failed rank never joined) are restarted
+        if connect() started the cluster. `progress` (total steps) shows a line fed by
+        report_progress() on the engines.
+        """
         ar = self.view.apply_async(fn, *args, **kwargs)
         per_rank = ar.split()  # one AsyncResult per engine, in view.targets order = rank order
         line = _ProgressLine(progress) if progress and not _noninteractive() else None
         deadline = time.monotonic() + timeout
         pending = set(per_rank)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                stuck = [r for r, part in enumerate(per_rank) if not part.done()]
-                note = self._recover(f"Ranks {stuck} were still running")
-                raise TimeoutError(
-                    f"{_name(fn)} did not finish within {timeout:g} s: "
-                    f"ranks {stuck} had not finished.{note}"
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    stuck = [r for r, part in enumerate(per_rank) if not part.done()]
+                    note = self._recover(f"Ranks {stuck} were still running")
+                    raise TimeoutError(
+                        f"{_name(fn)} did not finish within {timeout:g} s: "
+                        f"ranks {stuck} had not finished.{note}"
+                    )
+                _, pending = concurrent.futures.wait(
+                    pending,
+                    timeout=min(left, _POLL_SECONDS),
+                    return_when=concurrent.futures.FIRST_EXCEPTION,
                 )
-            _, pending = concurrent.futures.wait(
-                pending,
-                timeout=min(left, _POLL_SECONDS),
-                return_when=concurrent.futures.FIRST_EXCEPTION,
-            )
-            failed = [r for r, part in enumerate(per_rank) if part.done() and part.exception()]
-            if failed:
-                self._raise_rank_error(per_rank, failed[0])
+                failed = [r for r, part in enumerate(per_rank) if part.done() and part.exception()]
+                if failed:
+                    self._raise_rank_error(per_rank, failed[0])
+                if line:
+                    line.update(ar["data"][0])  # what rank 0 last published
             if line:
+                ar.wait_for_output(timeout=1)  # progress messages may trail the results
                 line.update(ar["data"][0])
-        if line:
-            ar.wait_for_output(timeout=1)  # progress messages may trail the results
-            line.update(ar["data"][0])
-            line.close()
+        finally:
+            if line:
+                line.close()
         return [part.result(timeout=0) for part in per_rank]
 
     def _raise_rank_error(self, per_rank: list, rank: int) -> None:
@@ -292,12 +301,14 @@ class _ProgressLine:
         self.handle = display(self._text({}), raw=True, display_id=True) if in_kernel else None
 
     def _text(self, data: dict) -> dict:
+        """The line as a raw text/plain display bundle."""
         text = f"step {data.get('step', 0)}/{self.total}"
         if "loss" in data:
             text += f"  loss {data['loss']:.4f}"
         return {"text/plain": text}
 
     def update(self, data: dict) -> None:
+        """Show the latest {"step", "loss"} published by rank 0."""
         if self.handle is not None:
             self.handle.update(self._text(data), raw=True)
         else:
@@ -305,6 +316,7 @@ class _ProgressLine:
             sys.stdout.flush()
 
     def close(self) -> None:
+        """End the terminal line (a notebook display needs nothing)."""
         if self.handle is None:
             sys.stdout.write("\n")
 

@@ -79,16 +79,15 @@ def evaluate(
     return total / max(n_batches, 1)
 
 
-def sample_name(
-    model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64
-) -> tuple[np.ndarray, int]:
-    """Generate one name as the seed does; returns the final context and the last token.
+def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) -> list[int]:
+    """Generate one name as the seed does: the tokens drawn, ending with 0 (unless cut off).
 
     Every rank runs the forward (zero3 needs all ranks to gather) and draws u, keeping the
     random streams aligned; rank 0's choice is broadcast so ranks can never disagree.
     """
     context = np.zeros((1, model.config.seq_len), dtype=np.uint8)
     token = np.zeros(1, dtype=np.int32)
+    tokens = []
     for _ in range(max_tokens):
         logits, _ = forward(model, strategy, context)
         probs = softmax(logits)[0]
@@ -96,16 +95,18 @@ def sample_name(
         # walk the probabilities with a running float32 sum; the first with sum >= u
         token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
         strategy.comm.bcast(token, root=0)
+        tokens.append(int(token[0]))
         if token[0] == 0:  # the boundary token ends the name
             break
         context = np.roll(context, -1, axis=1)
         context[0, -1] = token[0]
-    return context[0], int(token[0])
+    return tokens
 
 
-def format_sample(context: np.ndarray, token: int) -> str:
-    """The seed's line: the context tokens spaced out, then '-->' and the last token."""
-    return " ".join(decode(context)) + "  --> " + decode([token])
+def format_sample(tokens: list[int], seq_len: int) -> str:
+    """The seed's line: the final context (left-padded with '.'), '-->', the last token."""
+    context = ([0] * seq_len + tokens[:-1])[-seq_len:]
+    return " ".join(decode(context)) + "  --> " + decode(tokens[-1:])
 
 
 @dataclass
@@ -123,7 +124,8 @@ class History:
     local_losses: np.ndarray  # this rank's micro-batch loss per step
     step_seconds: np.ndarray
     val_loss: float | None = None
-    samples: list[str] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)  # the seed's lines: context --> last token
+    names: list[str] = field(default_factory=list)  # the sampled names themselves
     memory: dict = field(default_factory=dict)  # this rank's ledger report
     traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
 
@@ -206,9 +208,10 @@ def run(
 
     history.traffic = comm.traffic_report()
     history.val_loss = evaluate(model, strategy, data, rng, tc.batch_size, tc.eval_batches)
-    history.samples = [
-        format_sample(*sample_name(model, strategy, rng)) for _ in range(tc.n_samples)
-    ]
+    for _ in range(tc.n_samples):
+        tokens = sample_name(model, strategy, rng)
+        history.names.append(decode(tokens).rstrip("."))
+        history.samples.append(format_sample(tokens, model_config.seq_len))
     history.memory = ledger.report()
     if trace_memory:
         history.memory["tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]

@@ -1,0 +1,74 @@
+"""Run under `mpiexec -n N python tests/mpi_worker.py OUT.pkl`: every strategy on N ranks.
+
+Rank 0 writes what the tests compare against single: losses, the full parameters, each
+rank's memory ledger, traffic and tracemalloc peak, the samples, and the sampling traffic.
+"""
+
+import pickle
+import sys
+
+from fsdp_lesson.comm import Comm
+from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.data import Dataset
+from fsdp_lesson.train import run
+
+# (name, model config, train config kwargs, trace memory)
+RUNS = [
+    *[
+        (f"{strategy}-{opt}", ModelConfig(), dict(strategy=strategy, optimizer=opt), False)
+        for strategy in ("dp", "zero1", "zero2", "zero3")
+        for opt in ("sgd", "adam")
+    ],
+    *[
+        (
+            f"zero3-{opt}-layers4",
+            ModelConfig(n_layers=4),
+            dict(strategy="zero3", optimizer=opt),
+            False,
+        )
+        for opt in ("sgd", "adam")
+    ],
+    # a wider model, so Python's own ~15 KB of bookkeeping is small next to the arrays
+    *[
+        (
+            f"{strategy}-adam-wide",
+            ModelConfig(hidden_size=256),
+            dict(strategy=strategy, optimizer="adam"),
+            True,
+        )
+        for strategy in ("dp", "zero1", "zero2", "zero3")
+    ],
+]
+COMMON = dict(steps=100, batch_size=24, eval_batches=5, n_samples=3)
+
+
+def main(out: str) -> None:
+    comm, data = Comm.world(), Dataset.load()
+    results = {}
+    for name, model_config, kwargs, trace in RUNS:
+        steps = 5 if trace else COMMON["steps"]
+        config = TrainConfig(**(COMMON | kwargs | {"steps": steps}))
+        comm = Comm.world()  # fresh accounting per run
+        history, strategy = run(model_config, config, comm=comm, data=data, trace_memory=trace)
+        params = strategy.full_params()
+        per_rank = comm.gather_objects(
+            {"memory": history.memory, "traffic": history.traffic, "after": comm.traffic_report()}
+        )
+        if comm.rank == 0:
+            results[name] = {
+                "model_config": model_config,
+                "train_config": config,
+                "losses": history.losses,
+                "val_loss": history.val_loss,
+                "samples": history.samples,
+                "names": history.names,
+                "params": params,
+                "per_rank": per_rank,
+            }
+    if comm.rank == 0:
+        with open(out, "wb") as f:
+            pickle.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,253 @@
+"""Every strategy under real `mpiexec -n N` (N = 1, 2, 3, 4) against single-rank training.
+
+One mpiexec per N runs all strategies (tests/mpi_worker.py); the tests compare what it
+wrote with `single` computed here: equivalence, memory to the byte, traffic to the byte.
+"""
+
+import json
+import math
+import pickle
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.data import Dataset
+from fsdp_lesson.model import MLP
+from fsdp_lesson.train import run
+
+HERE = Path(__file__).parent
+WORLD_SIZES = [1, 2, 3, 4]
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+pytestmark = pytest.mark.mpi
+
+
+def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `mpiexec -n n python ARGS` with a timeout; never hangs the test suite."""
+    return subprocess.run(
+        [MPIEXEC, "-n", str(n), sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=HERE.parent,
+    )
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
+def world(request, tmp_path_factory):
+    n = request.param
+    out = tmp_path_factory.mktemp(f"mpi{n}") / "results.pkl"
+    result = mpiexec(n, str(HERE / "mpi_worker.py"), str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return n, pickle.loads(out.read_bytes())
+
+
+@cache
+def single_reference(model_config, train_config):
+    """The same run with strategy single, in this process."""
+    config = train_config.__class__(**(train_config.to_dict() | {"strategy": "single"}))
+    history, strategy = run(model_config, config, data=Dataset.load())
+    return history, strategy.full_params()
+
+
+def equivalence_runs(results):
+    return [name for name in results if not name.endswith("-wide")]
+
+
+def test_every_strategy_trains_the_same_model_as_single(world):
+    n, results = world
+    for name in equivalence_runs(results):
+        r = results[name]
+        history, params = single_reference(r["model_config"], r["train_config"])
+        loss_diff = np.abs(r["losses"] - history.losses).max()
+        assert loss_diff <= 1e-5, f"{name} at N={n}: loss differs by {loss_diff:.1e}"
+        for layer, p in params.items():
+            for k, v in p.items():
+                diff = np.abs(r["params"][layer][k] - v).max()
+                assert diff <= 1e-5, f"{name} at N={n}: {layer}.{k} differs by {diff:.1e}"
+        assert r["samples"] == history.samples, f"{name} at N={n}: samples differ from single's"
+
+
+def layer_sizes(model_config) -> list[int]:
+    return [sum(math.prod(s) for s in layer.shapes.values()) for layer in MLP(model_config).layers]
+
+
+def padded(size: int, n: int) -> int:
+    return -(-size // n) * n
+
+
+def expected_state_bytes(strategy: str, model_config, n: int, optimizer: str) -> dict:
+    """zero_formulas.md, per rank, in bytes; Ψ_pad pads every layer to a multiple of N."""
+    sizes = layer_sizes(model_config)
+    psi, psi_pad = sum(sizes), sum(padded(s, n) for s in sizes)
+    largest = max(padded(s, n) for s in sizes)
+    opt = 8 if optimizer == "adam" else 0
+    return {
+        "dp": dict(params=4 * psi, grads=4 * psi, optimizer=opt * psi, buffers=0),
+        "zero1": dict(
+            params=4 * psi_pad, grads=4 * psi_pad, optimizer=opt * psi_pad // n, buffers=0
+        ),
+        "zero2": dict(
+            params=4 * psi_pad,
+            grads=4 * psi_pad // n,
+            optimizer=opt * psi_pad // n,
+            buffers=4 * largest,
+        ),  # the reused transient full-gradient buffer
+        "zero3": dict(
+            params=4 * psi_pad // n,
+            grads=4 * psi_pad // n,
+            optimizer=opt * psi_pad // n,
+            buffers=2 * 4 * largest,
+        ),  # the gather buffer: params and grads of a layer
+    }[strategy]
+
+
+def test_ledger_equals_the_zero_accounting_to_the_byte(world):
+    n, results = world
+    for name, r in results.items():
+        tc, mc = r["train_config"], r["model_config"]
+        expected = expected_state_bytes(tc.strategy, mc, n, tc.optimizer)
+        for rank, report in enumerate(r["per_rank"]):
+            peak = {k: report["memory"]["peak"][k] for k in expected}
+            assert peak == expected, f"{name} N={n} rank {rank}"
+
+
+def test_activations_do_not_depend_on_the_stage(world):
+    n, results = world
+    peaks = {}  # model config -> activation peaks of every strategy and rank
+    for r in results.values():
+        peaks.setdefault(r["model_config"], set()).update(
+            report["memory"]["peak"]["activations"] for report in r["per_rank"]
+        )
+    assert all(len(p) == 1 for p in peaks.values()), peaks
+    # the seed's model peaks at fc1's backward: tokens, fc1's cached input, relu's dx, fc1's dx
+    c, b = ModelConfig(), 24 // n
+    expected = b * c.seq_len + 2 * 4 * b * c.seq_len * c.emb_size + 4 * b * c.hidden_size
+    assert peaks[ModelConfig()] == {expected}
+
+
+def test_tracemalloc_agrees_with_the_ledger_within_5_percent(world):
+    n, results = world
+    for name, r in results.items():
+        for rank, report in enumerate(r["per_rank"]):
+            if "tracemalloc_peak" in report["memory"]:
+                ledger, traced = (
+                    report["memory"]["peak_total"],
+                    report["memory"]["tracemalloc_peak"],
+                )
+                assert abs(traced - ledger) <= 0.05 * ledger, (
+                    f"{name} N={n} rank {rank}: {traced} vs {ledger}"
+                )
+
+
+def test_traffic_per_step_equals_the_formula(world):
+    n, results = world
+    ring = (n - 1) / n
+    loss = 8  # the logged loss: one float64 allreduce per step
+    for name, r in results.items():
+        tc = r["train_config"]
+        sizes = layer_sizes(r["model_config"])
+        psi4, psi_pad4 = 4 * sum(sizes), 4 * sum(padded(s, n) for s in sizes)
+        expected = {
+            "dp": {"allreduce": 2 * ring * (psi4 + loss)},
+            "zero1": {
+                "allreduce": 2 * ring * loss,
+                "reduce_scatter": ring * psi_pad4,
+                "allgather": ring * psi_pad4,
+            },
+            "zero3": {
+                "allreduce": 2 * ring * loss,
+                "reduce_scatter": ring * psi_pad4,
+                "allgather": 2 * ring * psi_pad4,
+            },
+        }
+        expected["zero2"] = expected["zero1"]
+        for rank, report in enumerate(r["per_rank"]):
+            for kind, traffic in report["traffic"].items():
+                per_step = traffic["sent_bytes"] / tc.steps
+                want = expected[tc.strategy].get(kind, 0.0)
+                assert per_step == pytest.approx(want, rel=1e-12, abs=1e-9), (
+                    f"{name} N={n} rank {rank} {kind}"
+                )
+
+
+def test_sampling_broadcasts_one_int_per_token(world):
+    n, results = world
+    r = results["zero3-sgd"]
+    tokens = sum(len(name) + 1 for name in r["names"])  # its letters and the final '.'
+    for report in r["per_rank"]:
+        bcast = report["after"]["bcast"]
+        assert bcast["calls"] == tokens and bcast["buffer_bytes"] == 4 * tokens
+        assert bcast["sent_bytes"] == pytest.approx(4 * tokens * (n - 1) / n)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_batch_not_divisible_is_refused_on_every_rank_without_hang(strategy):
+    result = mpiexec(
+        4, "-m", "fsdp_lesson", "train", "--strategy", strategy, "--batch", "30", timeout=60
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("global batch 30 is not divisible by 4 ranks") == 1
+    assert "Traceback" not in result.stderr and "step:" not in result.stdout
+
+
+def test_c_compat_dp_follows_the_c_trace():
+    result = mpiexec(
+        2,
+        "-m",
+        "fsdp_lesson",
+        "train",
+        "--strategy",
+        "dp",
+        "--c-compat",
+        "--steps",
+        "500",
+        "--log-every",
+        "1",
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    losses = [
+        float(line.split("loss ")[1])
+        for line in result.stdout.splitlines()
+        if line.startswith("step:")
+    ]
+    rows = [
+        line.split()
+        for line in (HERE / "fixtures" / "c_reference_losses.txt").read_text().splitlines()
+        if not line.startswith("#")
+    ]
+    expected = np.array([float(loss) for _, loss in rows[:500]])
+    assert len(losses) == 500
+    assert np.abs(np.array(losses) - expected).max() <= 1e-5
+
+
+def test_cli_out_has_per_rank_memory_and_traffic(tmp_path):
+    result = mpiexec(
+        2,
+        "-m",
+        "fsdp_lesson",
+        "train",
+        "--strategy",
+        "zero2",
+        "--steps",
+        "20",
+        "--optimizer",
+        "adam",
+        "--out",
+        str(tmp_path),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert (
+        history["world_size"] == 2 and len(history["memory"]) == 2 and len(history["traffic"]) == 2
+    )
+    adam_shard = 8 * sum(padded(s, 2) for s in layer_sizes(ModelConfig())) // 2
+    assert all(rank["peak"]["optimizer"] == adam_shard for rank in history["memory"])
+    params = np.load(tmp_path / "params.npz")
+    assert params["fc1.W"].shape == (256, 64)
