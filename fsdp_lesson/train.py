@@ -218,3 +218,17 @@ def run(
         tracemalloc.stop()
     check_replicas(strategy)
     return history, strategy
+
+
+def run_on_engine(model_config: ModelConfig, train_config: TrainConfig, **kwargs) -> dict:
+    """What a notebook runs on every engine (Ranks.run): train on MPI.COMM_WORLD.
+
+    Returns this rank's History as a dict, plus "params", the full parameters gathered
+    (identical on every rank). Rank 0 feeds the notebook's progress line.
+    """
+    from .cluster import report_progress  # imported here: plain mpiexec runs don't need it
+
+    history, strategy = run(
+        model_config, train_config, Comm.world(), on_log=report_progress, **kwargs
+    )
+    return history.to_dict() | {"params": strategy.full_params(), "rank": strategy.comm.rank}

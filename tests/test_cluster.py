@@ -1,0 +1,251 @@
+"""fsdp_lesson.cluster against real ipyparallel clusters of MPI engines (no mocks).
+
+Every cluster here lives in a temporary IPYTHONDIR, so a user's own clusters are never touched,
+and every fixture stops what it started, even when a test fails.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+import ipyparallel as ipp
+import pytest
+
+from fsdp_lesson.cluster import ClusterError, RankError, connect, report_progress
+
+# --- functions that run on the engines --------------------------------------------------------
+# @ipp.interactive sends them by value: the engines cannot import this test module.
+
+
+@ipp.interactive
+def rank_and_size() -> tuple[int, int]:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+@ipp.interactive
+def allreduce_rank_plus_one() -> list[float]:
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    total = np.zeros(3)
+    comm.Allreduce(np.full(3, comm.Get_rank() + 1.0), total)
+    return total.tolist()
+
+
+@ipp.interactive
+def rank_2_fails_before_allreduce() -> float:
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 2:
+        raise ValueError("rank 2 refuses")
+    total = np.zeros(1)
+    comm.Allreduce(np.ones(1), total)  # the other ranks wait here for rank 2, forever
+    return float(total[0])
+
+
+@ipp.interactive
+def train_with_progress(steps: int) -> int:
+    import time
+
+    from fsdp_lesson.cluster import report_progress
+
+    for step in range(1, steps + 1):
+        report_progress(step, 1.0 / step)
+        time.sleep(0.2)
+    return steps
+
+
+# --- helpers and fixtures ---------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Whether a process is running (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until_gone(pids: list[int], timeout: float = 15) -> list[int]:
+    """Wait for the processes to end; return those still running after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ipython_dir(tmp_path_factory):
+    """A private IPYTHONDIR for this module, and this venv's mpiexec first on PATH."""
+    path = tmp_path_factory.mktemp("ipython")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("IPYTHONDIR", str(path))
+        mp.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+        mp.delenv("IPP_NONINTERACTIVE", raising=False)
+        yield path
+
+
+@contextlib.contextmanager
+def ipcluster(n: int, engines: str, profile: str):
+    """A running cluster as `ipcluster start` leaves it (cluster_id ""), stopped on exit."""
+    cluster = ipp.Cluster(n=n, engines=engines, profile=profile, cluster_id="")
+    try:
+        cluster.start_and_connect_sync().close()
+        yield cluster
+    finally:
+        cluster.stop_cluster_sync()
+
+
+@pytest.fixture(scope="module")
+def mpi_ipcluster():
+    """A 4-engine MPI cluster that someone else started."""
+    with ipcluster(4, "mpi", "external") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def external(mpi_ipcluster):
+    """Ranks connected to the running 4-engine MPI cluster."""
+    with connect(n=4, profile="external", timeout=60) as ranks:
+        yield ranks
+
+
+@pytest.fixture(scope="module")
+def own():
+    """Ranks on a cluster that connect() started itself (so it may restart the engines)."""
+    with connect(n=4, profile="own", timeout=60) as ranks:
+        yield ranks
+
+
+# --- connecting -------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_connect_uses_running_mpi_cluster(external):
+    assert external.cluster is None  # not ours: close() must leave it running
+    assert external.run(rank_and_size) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert external.run(allreduce_rank_plus_one) == [[10.0, 10.0, 10.0]] * 4
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_more_engines_than_asked_is_refused(external):
+    with pytest.raises(ClusterError) as info:
+        connect(n=2, profile="external", timeout=10)
+    message = str(info.value)
+    assert "4 engines" in message and "n=2" in message
+    assert "ipcluster start --engines=MPI -n 2 --profile=external" in message
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_connect_starts_its_own_cluster_and_close_stops_it(ipython_dir):
+    # Files of a dead cluster on record must not make connect() hang or use them.
+    stale = ipp.Cluster(profile="fresh", cluster_id="")
+    stale.start_controller_sync()
+    with open(stale.cluster_file) as f:
+        record = f.read()
+    stale.stop_cluster_sync()
+    with open(stale.cluster_file, "w") as f:
+        f.write(record)
+
+    ranks = connect(n=4, profile="fresh", timeout=60)
+    try:
+        assert ranks.cluster is not None
+        assert ranks.run(rank_and_size) == [(r, 4) for r in range(4)]
+        pids = ranks.run(os.getpid) + [ranks.cluster.controller.pid]
+        pids.append(ranks.cluster.engine_set.pid)  # mpiexec
+        assert all(alive(p) for p in pids)
+    finally:
+        ranks.close()
+    assert wait_until_gone(pids) == []
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_cluster_without_mpi_engines_is_refused():
+    with ipcluster(4, "local", "local"):
+        with pytest.raises(ClusterError) as info:
+            connect(n=4, profile="local", timeout=30)
+    message = str(info.value)
+    assert "not one MPI world" in message and "size 1" in message
+    assert "ipcluster start --engines=MPI -n 4 --profile=local" in message
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_too_few_engines_is_refused():
+    with ipcluster(2, "mpi", "two"):
+        start = time.monotonic()
+        with pytest.raises(ClusterError) as info:
+            connect(n=4, profile="two", timeout=10)
+        assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "Only 2 of the 4 engines" in message
+    assert "ipcluster start --engines=MPI -n 4 --profile=two" in message
+
+
+# --- running ----------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_exception_on_one_rank_raises_promptly_and_engines_recover(own):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        own.run(rank_2_fails_before_allreduce, timeout=60)
+    assert time.monotonic() - start < 60
+    assert info.value.rank == 2 and info.value.ename == "ValueError"
+    message = str(info.value)
+    assert message.startswith("rank 2 raised ValueError: rank 2 refuses")
+    assert "restarted" in message
+    assert own.run(rank_and_size) == [(r, 4) for r in range(4)]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_timeout_raises_promptly_and_engines_recover(own):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        own.run(time.sleep, 30, timeout=2)
+    assert time.monotonic() - start < 20
+    assert "ranks [0, 1, 2, 3] had not finished" in str(info.value)
+    assert own.run(rank_and_size) == [(r, 4) for r in range(4)]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_engine_that_dies_is_an_error_not_a_hang(own):
+    pid_of_rank_1 = own.run(os.getpid)[1]
+    threading.Timer(1.0, os.kill, (pid_of_rank_1, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        own.run(time.sleep, 30, timeout=60)
+    assert time.monotonic() - start < 30
+    assert "died" in str(info.value)
+    assert own.run(rank_and_size) == [(r, 4) for r in range(4)]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_progress_line(external, capsys, monkeypatch):
+    assert external.run(train_with_progress, 5, progress=5) == [5] * 4
+    assert "\rstep 5/5  loss 0.2000\n" in capsys.readouterr().out
+
+    monkeypatch.setenv("IPP_NONINTERACTIVE", "1")
+    assert external.run(train_with_progress, 2, progress=2) == [2] * 4
+    assert capsys.readouterr().out == ""
+
+
+def test_report_progress_is_a_no_op_off_an_engine():
+    report_progress(1, 0.5)
