@@ -128,6 +128,7 @@ class History:
     names: list[str] = field(default_factory=list)  # the sampled names themselves
     memory: dict = field(default_factory=dict)  # this rank's ledger report
     traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
+    timeline: list = field(default_factory=list)  # (event, live bytes) over one step, if asked
 
     @classmethod
     def for_steps(cls, model_config: ModelConfig, train_config: TrainConfig, world_size: int):
@@ -172,10 +173,12 @@ def run(
     data: Dataset | None = None,
     on_log: Callable[[int, float], None] | None = None,
     trace_memory: bool = False,
+    timeline_step: int | None = None,
 ) -> tuple[History, Strategy]:
     """Train, evaluate and sample with the configured strategy on this rank's Comm.
 
     trace_memory: also measure the peak with tracemalloc (slower), to check the ledger.
+    timeline_step: record the ledger's live bytes at every layer boundary of this step.
     """
     comm = comm or Comm()
     train_config.validate(comm.size)  # the same verdict on every rank, before any collective
@@ -198,7 +201,11 @@ def run(
         start = time.perf_counter()
         X, Y = sampler.next()
         X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
+        if step == timeline_step:
+            ledger.timeline = [("start", ledger.live_total)]
         local_loss = train_step(model, strategy, X, Y)
+        if step == timeline_step:
+            history.timeline, ledger.timeline = ledger.timeline, None
         loss = comm.mean_scalar(local_loss)
         history.step_seconds[step] = time.perf_counter() - start
         history.losses[step] = loss

@@ -12,10 +12,15 @@ from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
 
-# (name, model config, train config kwargs, trace memory)
+# (name, model config, train config kwargs, extra arguments of run())
 RUNS = [
     *[
-        (f"{strategy}-{opt}", ModelConfig(), dict(strategy=strategy, optimizer=opt), False)
+        (
+            f"{strategy}-{opt}",
+            ModelConfig(),
+            dict(strategy=strategy, optimizer=opt),
+            {"timeline_step": 1},
+        )
         for strategy in ("dp", "zero1", "zero2", "zero3")
         for opt in ("sgd", "adam")
     ],
@@ -24,7 +29,7 @@ RUNS = [
             f"zero3-{opt}-layers4",
             ModelConfig(n_layers=4),
             dict(strategy="zero3", optimizer=opt),
-            False,
+            {},
         )
         for opt in ("sgd", "adam")
     ],
@@ -34,7 +39,7 @@ RUNS = [
             f"{strategy}-adam-wide",
             ModelConfig(hidden_size=256),
             dict(strategy=strategy, optimizer="adam"),
-            True,
+            {"trace_memory": True},
         )
         for strategy in ("dp", "zero1", "zero2", "zero3")
     ],
@@ -45,11 +50,11 @@ COMMON = dict(steps=100, batch_size=24, eval_batches=5, n_samples=3)
 def main(out: str) -> None:
     comm, data = Comm.world(), Dataset.load()
     results = {}
-    for name, model_config, kwargs, trace in RUNS:
-        steps = 5 if trace else COMMON["steps"]
+    for name, model_config, kwargs, run_kwargs in RUNS:
+        steps = 5 if "trace_memory" in run_kwargs else COMMON["steps"]
         config = TrainConfig(**(COMMON | kwargs | {"steps": steps}))
         comm = Comm.world()  # fresh accounting per run
-        history, strategy = run(model_config, config, comm=comm, data=data, trace_memory=trace)
+        history, strategy = run(model_config, config, comm=comm, data=data, **run_kwargs)
         params = strategy.full_params()
         per_rank = comm.gather_objects(
             {"memory": history.memory, "traffic": history.traffic, "after": comm.traffic_report()}
@@ -62,6 +67,7 @@ def main(out: str) -> None:
                 "val_loss": history.val_loss,
                 "samples": history.samples,
                 "names": history.names,
+                "timeline": history.timeline,
                 "params": params,
                 "per_rank": per_rank,
             }

@@ -251,3 +251,32 @@ def test_cli_out_has_per_rank_memory_and_traffic(tmp_path):
     assert all(rank["peak"]["optimizer"] == adam_shard for rank in history["memory"])
     params = np.load(tmp_path / "params.npz")
     assert params["fc1.W"].shape == (256, 64)
+
+
+def test_zero3_materializes_at_most_one_layer_at_a_time(world):
+    n, results = world
+    for name in ("zero3-sgd", "zero3-adam"):
+        events = [event for event, _ in results[name]["timeline"]]
+        gathered = None
+        for event in events:
+            kind, layer = event.split(" ", 1) if " " in event else (event, None)
+            if kind == "gather":
+                assert gathered is None, f"{layer} gathered while {gathered} still is"
+                gathered = layer
+            elif kind == "release":
+                assert gathered == layer
+                gathered = None
+        n_layers = 4  # emb, fc1, relu1, fc2: each gathered in forward and again in backward
+        assert sum(e.startswith("gather") for e in events) == 2 * n_layers
+
+
+def test_memory_rises_and_falls_over_a_step(world):
+    n, results = world
+    for name in ("dp-sgd", "zero3-sgd"):
+        timeline = results[name]["timeline"]
+        live = [bytes_ for _, bytes_ in timeline]
+        start, peak = live[0], max(live)
+        assert live[-1] == start  # every activation freed by the end of the step
+        assert peak > start  # activations were held in between
+        forward_end = [e for e, _ in timeline].index("forward fc2")
+        assert max(live[: forward_end + 1]) == live[forward_end]  # rises through forward

@@ -39,10 +39,12 @@ class ZeRO3(Strategy):
             self.params[layer.name], self.gathered_params[: flat.padded_numel]
         )
         self.gathered = layer.name
+        self.ledger.mark(f"gather {layer.name}")
         return flat.views(full)
 
     def release(self, layer) -> None:
         self.gathered = None  # the buffer is free for the next layer
+        self.ledger.mark(f"release {layer.name}")
 
     def grad_buffer(self, layer) -> Params:
         flat = self.layout[layer.name]
