@@ -16,6 +16,7 @@ import numpy as np
 
 from .config import OPTIMIZERS, STRATEGIES, ConfigError, ModelConfig, TrainConfig
 from .data import DEFAULT_PATH, NAMES_SHA256, DataError, Dataset, build_names_file
+from .memory import MemoryBudgetError
 
 
 class UsageError(Exception):
@@ -76,7 +77,22 @@ def build_parser() -> Parser:
         action="store_true",
         help="glibc rand() and the seed's order: reproduces train.c's numbers",
     )
+    train.add_argument(
+        "--eval-batches",
+        type=int,
+        default=TrainConfig.eval_batches,
+        help="test batches for the final validation loss",
+    )
+    train.add_argument(
+        "--samples", type=int, default=TrainConfig.n_samples, help="names to sample at the end"
+    )
     train.add_argument("--log-every", type=positive_int, default=TrainConfig.log_every)
+    train.add_argument(
+        "--memory-budget-mb",
+        type=positive_float,
+        default=None,
+        help="per-rank budget: the memory ledger refuses to allocate beyond it",
+    )
     train.add_argument("--out", type=Path, default=None, help="write history.json and params.npz")
 
     data = commands.add_parser("data", help="build or check data/names.txt")
@@ -106,6 +122,9 @@ def train_command(args) -> None:
         lr=args.lr,
         steps=args.steps,
         batch_size=args.batch,
+        memory_budget_mb=args.memory_budget_mb,
+        eval_batches=args.eval_batches,
+        n_samples=args.samples,
         seed=args.seed,
         c_compat=args.c_compat,
         log_every=args.log_every,
@@ -124,13 +143,16 @@ def train_command(args) -> None:
     if not comm.all_agree(problem is None):
         raise UsageError(describe_problems(problems) if comm.rank == 0 else "")
 
-    history, strategy = run(
-        model_config,
-        train_config,
-        comm,
-        data,
-        on_log=lambda step, loss: say(f"step: {step}, loss {loss:f}", flush=True),
-    )
+    try:  # every rank allocates the same bytes in the same order, so all refuse together
+        history, strategy = run(
+            model_config,
+            train_config,
+            comm,
+            data,
+            on_log=lambda step, loss: say(f"step: {step}, loss {loss:f}", flush=True),
+        )
+    except MemoryBudgetError as err:
+        raise UsageError(f"error: {err}" if comm.rank == 0 else "") from None
     say(f"Final validation loss: {history.val_loss:f}")
     for line in history.samples:
         say(line)

@@ -42,6 +42,7 @@ class TrainConfig:
     eval_batches: int = 100
     n_samples: int = 10
     log_every: int = 100
+    memory_budget_mb: float | None = None  # per rank; the ledger refuses allocations beyond it
 
     @property
     def learning_rate(self) -> float:
@@ -63,6 +64,8 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive, got {self.learning_rate}")
         if self.batch_size < 1:
             raise ConfigError(f"batch size must be positive, got {self.batch_size}")
+        if self.memory_budget_mb is not None and not self.memory_budget_mb > 0:
+            raise ConfigError(f"memory budget must be positive, got {self.memory_budget_mb} MB")
         if self.eval_batches < 0 or self.n_samples < 0 or self.log_every < 1:
             raise ConfigError("eval_batches and n_samples must be >= 0 and log_every >= 1")
         if self.strategy == "single" and world_size != 1:

@@ -43,7 +43,8 @@ class MemoryLedger:
             over = self.live_total + nbytes - self.budget_bytes
             raise MemoryBudgetError(
                 f"rank {self.rank}: allocating {nbytes:,} bytes of {category} ({label}) would "
-                f"exceed the memory budget of {self.budget_bytes:,} bytes by {over:,} bytes"
+                f"exceed the memory budget of {self.budget_bytes:,} bytes by {over:,} bytes; "
+                f"shard more (a higher ZeRO stage), use more ranks, or raise the budget"
             )
         self.held[label] = (category, nbytes)
         self.live[category] += nbytes

@@ -188,7 +188,8 @@ def run(
     rng = make_rng(tc.seed, tc.c_compat)
     model = MLP(model_config)
     params = model.init_params(rng)
-    ledger = MemoryLedger(rank=comm.rank)
+    budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
+    ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
     optimizer = make_optimizer(tc.optimizer, tc.learning_rate)
     history = History.for_steps(model_config, tc, comm.size)
     if trace_memory:

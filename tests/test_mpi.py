@@ -18,6 +18,7 @@ import pytest
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.model import MLP
+from fsdp_lesson.plan import ledger_bytes
 from fsdp_lesson.train import run
 
 HERE = Path(__file__).parent
@@ -280,3 +281,29 @@ def test_memory_rises_and_falls_over_a_step(world):
         assert peak > start  # activations were held in between
         forward_end = [e for e, _ in timeline].index("forward fc2")
         assert max(live[: forward_end + 1]) == live[forward_end]  # rises through forward
+
+
+def test_the_planner_predicts_every_ledger_to_the_byte(world):
+    n, results = world
+    for name, r in results.items():
+        tc = r["train_config"]
+        predicted = ledger_bytes(
+            tc.strategy, r["model_config"], n, tc.optimizer, tc.batch_size // n
+        )
+        for rank, report in enumerate(r["per_rank"]):
+            assert report["memory"]["peak"] == predicted, f"{name} N={n} rank {rank}"
+
+
+def test_memory_budget_refuses_dp_and_lets_zero3_train():
+    model = ["--hidden", "512", "--layers", "8", "--optimizer", "adam", "--steps", "3"]
+    model += ["--eval-batches", "2", "--samples", "1"]
+    budget = ["--memory-budget-mb", "25"]
+    dp = mpiexec(4, "-m", "fsdp_lesson", "train", "--strategy", "dp", *model, *budget, timeout=120)
+    assert dp.returncode == 2
+    assert dp.stderr.count("error: rank 0: allocating") == 1
+    assert "would exceed the memory budget of 26,214,400 bytes by" in dp.stderr
+    zero3 = mpiexec(
+        4, "-m", "fsdp_lesson", "train", "--strategy", "zero3", *model, *budget, timeout=120
+    )
+    assert zero3.returncode == 0, zero3.stderr
+    assert "Final validation loss" in zero3.stdout

@@ -1,0 +1,145 @@
+"""Small matplotlib helpers for the notebooks: each takes plain data and returns its Figure.
+
+loss_curves({"single": losses, "dp": losses})            smoothed loss per step
+memory_bars({"dp": [peak of rank 0, ...]}, formula)       per-rank bytes by category
+traffic_bars({"dp": {"allreduce": bytes}}, formula)       bytes sent per step by collective
+collective_picture(before, after, "Allreduce")            what a collective does to 4 ranks
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+from .memory import CATEGORIES
+
+KINDS = ("allreduce", "allgather", "reduce_scatter")
+CATEGORY_COLORS = dict(
+    zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True)
+)
+KIND_COLORS = dict(zip(KINDS, ("#4c72b0", "#55a868", "#dd8452"), strict=True))
+KB = FuncFormatter(lambda value, _: f"{value / 1e3:g}")  # bytes on the axis, shown as kB
+
+
+def running_mean(values, window: int) -> np.ndarray:
+    """The mean of each `window` consecutive values (fewer values than that: one window)."""
+    values = np.asarray(values, dtype=np.float64)
+    window = max(1, min(window, len(values)))
+    return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
+def loss_curves(curves: dict[str, np.ndarray], smooth: int = 50, ax: Axes | None = None) -> Figure:
+    """One line per label: the loss per step, as a running mean over `smooth` steps."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.5))
+    for label, values in curves.items():
+        mean = running_mean(values, smooth)
+        ax.plot(np.arange(len(values) - len(mean), len(values)), mean, label=label)
+    ax.set(xlabel="step", ylabel=f"loss (running mean, {smooth} steps)")
+    ax.legend()
+    return ax.figure
+
+
+def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None = None) -> Figure:
+    """For each label, one stacked bar per rank (bytes by category); formula totals as lines."""
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * sum(map(len, reports.values()))), 3.8))
+    x, ticks, labels = 0.0, [], []
+    for group, (label, per_rank) in enumerate(reports.items()):
+        xs = x + np.arange(len(per_rank))
+        bottom = np.zeros(len(per_rank))
+        for category in CATEGORIES:
+            heights = np.array([peak.get(category, 0) for peak in per_rank], dtype=float)
+            ax.bar(
+                xs,
+                heights,
+                bottom=bottom,
+                width=0.8,
+                color=CATEGORY_COLORS[category],
+                label=category if group == 0 else None,
+            )
+            bottom += heights
+        if formula and label in formula:
+            total = sum(formula[label].values())
+            ax.hlines(
+                total,
+                xs[0] - 0.45,
+                xs[-1] + 0.45,
+                colors="black",
+                linestyles="--",
+                label="formula" if group == 0 else None,
+            )
+        ticks += list(xs)
+        labels += [f"{label}\nrank {r}" if r == 0 else f"rank {r}" for r in range(len(per_rank))]
+        x += len(per_rank) + 1
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.yaxis.set_major_formatter(KB)
+    ax.set(ylabel="peak kB per rank", title="memory per rank by category (ledger peaks)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
+def traffic_bars(traffic: dict[str, dict], formula: dict[str, float] | None = None) -> Figure:
+    """One stacked bar per label: bytes sent per step by collective kind; formula as a marker."""
+    fig, ax = plt.subplots(figsize=(max(4, 1.5 * len(traffic)), 3.8))
+    kinds = list(KINDS) + sorted({k for t in traffic.values() for k in t} - set(KINDS))
+    xs = np.arange(len(traffic))
+    bottom = np.zeros(len(traffic))
+    for kind in kinds:
+        heights = np.array([t.get(kind, 0.0) for t in traffic.values()], dtype=float)
+        if heights.any():
+            ax.bar(xs, heights, bottom=bottom, width=0.6, color=KIND_COLORS.get(kind), label=kind)
+            bottom += heights
+    if formula:
+        marked = [
+            (x, formula[label]) for x, label in zip(xs, traffic, strict=True) if label in formula
+        ]
+        ax.plot(*zip(*marked, strict=True), "k_", markersize=40, markeredgewidth=2, label="formula")
+    ax.set_xticks(xs, list(traffic))
+    ax.yaxis.set_major_formatter(KB)
+    ax.set(ylabel="kB sent per rank per step", title="communication per step")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
+def _grid(ax: Axes, arrays: list[np.ndarray], norm: plt.Normalize, title: str) -> None:
+    """One row per rank, one cell per element, each cell coloured and labelled by its value."""
+    grid = np.array([np.asarray(a, dtype=float).ravel() for a in arrays])
+    ax.imshow(grid, cmap="Blues", norm=norm, aspect="equal")
+    for (r, c), value in np.ndenumerate(grid):
+        dark = norm(value) > 0.6
+        ax.text(
+            c,
+            r,
+            f"{value:g}",
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="white" if dark else "black",
+        )
+    ax.set_xticks(np.arange(grid.shape[1] + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(grid.shape[0] + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", linewidth=2)
+    ax.tick_params(which="both", length=0)
+    ax.set_xticks([])
+    ax.set_yticks(range(len(grid)), [f"rank {r}" for r in range(len(grid))])
+    ax.set_title(title, fontsize=10)
+
+
+def collective_picture(before: list[np.ndarray], after: list[np.ndarray], title: str) -> Figure:
+    """Each rank's array before and after a collective, side by side, values in the cells."""
+    values = np.concatenate([np.ravel(a) for a in [*before, *after]]).astype(float)
+    norm = plt.Normalize(min(values.min(), 0), values.max())
+    widths = [np.size(before[0]), np.size(after[0])]
+    fig, axes = plt.subplots(
+        1, 2, figsize=(2 + 0.55 * sum(widths), 0.5 + 0.5 * len(before)), width_ratios=widths
+    )
+    _grid(axes[0], before, norm, "before")
+    _grid(axes[1], after, norm, "after")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,106 @@
+"""compare and check: one deterministic line each, a bool back, never an exception."""
+
+import numpy as np
+
+from fsdp_lesson.checks import check, compare
+
+
+def test_compare_exact(capsys):
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert compare("fc1.W", a, a.copy()) is True
+    assert capsys.readouterr().out == "fc1.W      exact\n"
+
+
+def test_compare_approx_prints_one_significant_digit(capsys):
+    a = np.zeros(4)
+    assert compare("fc1.b", a, a + 3.1e-8) is True
+    assert capsys.readouterr().out == "fc1.b      approx  max diff 3e-08\n"
+
+
+def test_compare_differs_beyond_atol(capsys):
+    a = np.ones((3, 3), dtype=np.float32)
+    b = a.copy()
+    b[1, 2] += 0.2
+    assert compare("emb.W", a, b, atol=1e-3) is False
+    assert capsys.readouterr().out == "emb.W      DIFFERS max diff 2e-01\n"
+
+
+def test_compare_mixed_dtypes_and_lists(capsys):
+    assert compare("loss", [1.0, 2.0], np.array([1.0, 2.0], dtype=np.float32)) is True
+    assert capsys.readouterr().out == "loss       exact\n"
+
+
+def test_compare_shape_mismatch(capsys):
+    assert compare("Y", np.zeros(3), np.zeros(4)) is False
+    assert capsys.readouterr().out == "Y          DIFFERS shape (3,) vs (4,)\n"
+
+
+def test_compare_nan_differs(capsys):
+    assert compare("x", np.array([np.nan]), np.array([0.0])) is False
+    assert capsys.readouterr().out == "x          DIFFERS max diff nan\n"
+
+
+def test_compare_long_name_keeps_a_space(capsys):
+    compare("a_rather_long_name", 1, 1)
+    assert capsys.readouterr().out == "a_rather_long_name exact\n"
+
+
+def test_compare_output_is_the_same_twice(capsys):
+    a, b = np.linspace(0, 1, 50), np.linspace(0, 1, 50) + 1.23456e-9
+    compare("w", a, b)
+    compare("w", a, b)
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == second == "w          approx  max diff 1e-09"
+
+
+def test_check_correct(capsys):
+    assert check("n_rows", [2, 5, 16], np.array([2, 5, 16])) is True
+    assert capsys.readouterr().out == "✓ n_rows: correct\n"
+
+
+def test_check_wrong_answer_prints_cross_and_returns_false(capsys):
+    assert check("n_rows", [1, 4, 15], [2, 5, 16], hint="count the boundary token") is False
+    out = capsys.readouterr().out
+    assert out == "✗ n_rows: expected [2, 5, 16], got [1, 4, 15] — count the boundary token\n"
+
+
+def test_check_wrong_scalar_without_hint(capsys):
+    assert check("params", np.int64(18634), 18635) is False
+    assert capsys.readouterr().out == "✗ params: expected 18635, got 18634\n"
+
+
+def test_check_placeholder_is_not_answered_and_hides_the_answer(capsys):
+    assert check("rows", None, [2, 10, 18, 26], hint="b % N == rank") is False
+    assert check("rows", [None, None], [2, 5]) is False
+    assert check("rows", ..., 3) is False
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "✗ rows: not answered yet — b % N == rank",
+        "✗ rows: not answered yet",
+        "✗ rows: not answered yet",
+    ]
+    assert "26" not in "".join(out)
+
+
+def test_check_wrong_shape_and_big_arrays(capsys):
+    assert check("relu", np.zeros((4, 5)), np.zeros((5, 4))) is False
+    assert check("relu", np.ones((4, 5)), np.zeros((4, 5))) is False
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "✗ relu: expected an array of shape (5, 4), got an array of shape (4, 5)",
+        "✗ relu: expected an array of shape (4, 5), got an array of shape (4, 5)",
+    ]
+
+
+def test_check_with_tolerance(capsys):
+    assert check("loss", 3.29584, np.log(27), atol=1e-4) is True
+    assert check("loss", 3.2, np.log(27), atol=1e-4) is False
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["✓ loss: correct", "✗ loss: expected 3.29584, got 3.2"]
+
+
+def test_check_never_raises_on_odd_answers(capsys):
+    assert check("rows", "two", [2, 10]) is False
+    assert check("rows", {"a": 1}, [2, 10]) is False
+    assert check("rows", [[1, 2], [3]], [2, 10]) is False  # ragged: numpy refuses, still False
+    assert capsys.readouterr().out.count("✗") == 3

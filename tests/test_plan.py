@@ -1,0 +1,48 @@
+"""fsdp_lesson.plan: the ZeRO paper's figures, and the ledger predicted to the byte."""
+
+import pytest
+
+from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.data import Dataset
+from fsdp_lesson.plan import (
+    FP32_ADAM,
+    STAGES,
+    ledger_bytes,
+    state_bytes,
+    step_seconds,
+    traffic_bytes,
+)
+from fsdp_lesson.train import run
+
+
+def test_reproduces_the_zero_papers_7_5b_on_64_gpus():
+    gb = {stage: round(sum(state_bytes(stage, 7.5e9, 64).values()) / 1e9, 1) for stage in STAGES}
+    assert gb == {"dp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+
+
+def test_fp32_adam_table():
+    psi, n = 1000, 4
+    assert state_bytes("zero1", psi, n, FP32_ADAM) == {
+        "params": 4000,
+        "grads": 4000,
+        "optimizer": 2000,
+    }
+    assert sum(state_bytes("zero3", psi, n, FP32_ADAM).values()) == 16 * psi / n
+
+
+def test_traffic_is_2_psi_or_3_psi_and_zero_on_one_rank():
+    assert traffic_bytes("dp", 1000, 4) == traffic_bytes("zero2", 1000, 4) == 2 * 0.75 * 4000
+    assert traffic_bytes("zero3", 1000, 4) == 1.5 * traffic_bytes("dp", 1000, 4)
+    assert all(traffic_bytes(stage, 1000, 1) == 0 for stage in STAGES)
+    assert step_seconds("dp", 1e9, 2, bandwidth=1e9) == pytest.approx(2.0)  # 2 B/elem, ring 1/2
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("model", [ModelConfig(), ModelConfig(n_layers=3, hidden_size=32)])
+def test_predicts_the_ledger_on_one_rank(strategy, optimizer, model):
+    config = TrainConfig(
+        strategy=strategy, optimizer=optimizer, steps=2, eval_batches=0, n_samples=0
+    )
+    history, _ = run(model, config, data=Dataset.load())
+    assert history.memory["peak"] == ledger_bytes(strategy, model, 1, optimizer, micro_batch=32)
