@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoint import CheckpointError
 from .config import OPTIMIZERS, STRATEGIES, ConfigError, ModelConfig, TrainConfig
 from .data import DEFAULT_PATH, NAMES_SHA256, DataError, Dataset, build_names_file
 from .memory import MemoryBudgetError
@@ -93,6 +94,18 @@ def build_parser() -> Parser:
         default=None,
         help="per-rank budget: the memory ledger refuses to allocate beyond it",
     )
+    train.add_argument(
+        "--save-every",
+        type=positive_int,
+        default=None,
+        help="save a sharded checkpoint to OUT/checkpoint every K steps",
+    )
+    train.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint")
+    train.add_argument(
+        "--reshard",
+        action="store_true",
+        help="allow resuming a checkpoint of another strategy or rank count",
+    )
     train.add_argument("--out", type=Path, default=None, help="write history.json and params.npz")
 
     data = commands.add_parser("data", help="build or check data/names.txt")
@@ -133,6 +146,8 @@ def train_command(args) -> None:
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     problem = None
     try:
+        if args.save_every and args.out is None:
+            raise ConfigError("--save-every needs --out DIR: checkpoints go to DIR/checkpoint")
         train_config.validate(comm.size)
         model_config.validate()
         data = Dataset.load(args.data, seq_len=model_config.seq_len)
@@ -150,8 +165,12 @@ def train_command(args) -> None:
             comm,
             data,
             on_log=lambda step, loss: say(f"step: {step}, loss {loss:f}", flush=True),
+            save_every=args.save_every,
+            checkpoint_dir=None if args.out is None else args.out / "checkpoint",
+            resume=args.resume,
+            reshard=args.reshard,
         )
-    except MemoryBudgetError as err:
+    except (MemoryBudgetError, CheckpointError) as err:
         raise UsageError(f"error: {err}" if comm.rank == 0 else "") from None
     say(f"Final validation loss: {history.val_loss:f}")
     for line in history.samples:

@@ -48,6 +48,13 @@ class Rng:
     def indices(self, high: int, n: int) -> np.ndarray:
         raise NotImplementedError
 
+    def get_state(self) -> dict:
+        """A JSON-able snapshot, for checkpoints: set_state(get_state()) replays the stream."""
+        raise NotImplementedError
+
+    def set_state(self, state: dict) -> None:
+        raise NotImplementedError
+
 
 class NumpyRng(Rng):
     """numpy's PCG64 Generator: the default, fast and statistically sound."""
@@ -60,6 +67,12 @@ class NumpyRng(Rng):
 
     def indices(self, high: int, n: int) -> np.ndarray:
         return self.generator.integers(0, high, size=n)
+
+    def get_state(self) -> dict:
+        return self.generator.bit_generator.state
+
+    def set_state(self, state: dict) -> None:
+        self.generator.bit_generator.state = state
 
 
 class CRng(Rng):
@@ -74,6 +87,12 @@ class CRng(Rng):
 
     def indices(self, high: int, n: int) -> np.ndarray:
         return self.rand.ints(n) % high
+
+    def get_state(self) -> dict:
+        return {"glibc_ring": list(self.rand._ring), "glibc_pos": self.rand._pos}
+
+    def set_state(self, state: dict) -> None:
+        self.rand._ring, self.rand._pos = list(state["glibc_ring"]), state["glibc_pos"]
 
 
 def make_rng(seed: int, c_compat: bool = False) -> Rng:

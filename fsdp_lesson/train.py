@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
 from .config import ModelConfig, TrainConfig
 from .data import Dataset, GlobalBatchSampler, decode, rank_slice
@@ -174,11 +175,17 @@ def run(
     on_log: Callable[[int, float], None] | None = None,
     trace_memory: bool = False,
     timeline_step: int | None = None,
+    save_every: int | None = None,
+    checkpoint_dir: str | Path | None = None,
+    resume: str | Path | None = None,
+    reshard: bool = False,
 ) -> tuple[History, Strategy]:
     """Train, evaluate and sample with the configured strategy on this rank's Comm.
 
     trace_memory: also measure the peak with tracemalloc (slower), to check the ledger.
     timeline_step: record the ledger's live bytes at every layer boundary of this step.
+    save_every, checkpoint_dir: save a sharded checkpoint every so many steps (and at the end).
+    resume: continue from a checkpoint; reshard: allow one of another strategy or N.
     """
     comm = comm or Comm()
     train_config.validate(comm.size)  # the same verdict on every rank, before any collective
@@ -197,8 +204,13 @@ def run(
     strategy = make_strategy(tc.strategy, model, params, optimizer, comm, ledger)
     del params  # the strategy holds the parameters now, laid out its way
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch_size, rng)
+    configs = (asdict(model_config), tc.to_dict())
+    first_step = 0
+    if resume is not None:
+        first_step = load_checkpoint(resume, strategy, rng, *configs, reshard=reshard)
+        history.losses[:first_step] = np.nan  # those steps ran before the checkpoint
 
-    for step in range(tc.steps):
+    for step in range(first_step, tc.steps):
         start = time.perf_counter()
         X, Y = sampler.next()
         X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
@@ -213,6 +225,8 @@ def run(
         history.local_losses[step] = local_loss
         if on_log is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
             on_log(step, loss)
+        if save_every and ((step + 1) % save_every == 0 or step == tc.steps - 1):
+            save_checkpoint(checkpoint_dir, strategy, step + 1, rng, *configs)
 
     history.traffic = comm.traffic_report()
     history.val_loss = evaluate(model, strategy, data, rng, tc.batch_size, tc.eval_batches)

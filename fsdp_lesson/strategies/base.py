@@ -24,6 +24,8 @@ class Strategy:
     """Common state: the model, the optimizer, the Comm, the ledger, and each layer's FlatParam."""
 
     name = "base"
+    # What this stage shards over the ranks (the table of DESIGN.md); the rest is replicated.
+    shards_params = shards_grads = shards_optimizer = False
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ class ZeRO1(Strategy):
     """Full (padded) params and grads on every rank; optimizer state for the owned shard only."""
 
     name = "zero1"
+    shards_params, shards_grads, shards_optimizer = False, False, True
 
     def __init__(self, model, params, optimizer, comm, ledger) -> None:
         super().__init__(model, params, optimizer, comm, ledger, world_size=comm.size)

@@ -14,6 +14,7 @@ class ZeRO2(ZeRO1):
     """zero1 with a gradient shard per layer, reduce-scattered during backward."""
 
     name = "zero2"
+    shards_grads = True
 
     def alloc_grads(self) -> None:
         self.grads = self.alloc_per_layer("grads", "shard_size", "grad_shard")

@@ -17,6 +17,7 @@ class ZeRO3(Strategy):
     """Shards only; one layer at a time is gathered into the gather buffer."""
 
     name = "zero3"
+    shards_params, shards_grads, shards_optimizer = True, True, True
 
     def __init__(self, model, params, optimizer, comm, ledger) -> None:
         super().__init__(model, params, optimizer, comm, ledger, world_size=comm.size)

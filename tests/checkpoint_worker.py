@@ -1,0 +1,63 @@
+"""Run under mpiexec: save sharded checkpoints, or resume them into every strategy.
+
+    mpiexec -n N python tests/checkpoint_worker.py save DIR      # each strategy: 50 steps, save;
+                                                                 # and 100 steps straight
+    mpiexec -n M python tests/checkpoint_worker.py resume DIR    # every saved checkpoint into
+                                                                 # every strategy at M ranks
+Rank 0 writes the final full parameters and losses of each run to DIR/*.npz.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fsdp_lesson.comm import Comm
+from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.data import Dataset
+from fsdp_lesson.train import run
+
+STRATEGIES = ["dp", "zero1", "zero2", "zero3"]
+CONFIG = dict(optimizer="adam", batch_size=24, eval_batches=2, n_samples=1)
+
+
+def save_result(path: Path, history, strategy) -> None:
+    params = strategy.full_params()  # a collective: every rank takes part
+    if strategy.comm.rank == 0:
+        flat = {f"{layer}.{k}": v for layer, p in params.items() for k, v in p.items()}
+        np.savez(path, losses=history.losses, **flat)
+
+
+def main(mode: str, directory: str) -> None:
+    root, data = Path(directory), Dataset.load()
+    n = Comm.world().size
+    if mode == "save":
+        for strategy in STRATEGIES:
+            half = TrainConfig(strategy=strategy, steps=50, **CONFIG)
+            run(
+                ModelConfig(),
+                half,
+                Comm.world(),
+                data,
+                save_every=50,
+                checkpoint_dir=root / strategy,
+            )
+            history, s = run(
+                ModelConfig(),
+                TrainConfig(strategy=strategy, steps=100, **CONFIG),
+                Comm.world(),
+                data,
+            )
+            save_result(root / f"straight-{strategy}-N{n}.npz", history, s)
+    else:
+        for source in STRATEGIES:
+            for target in STRATEGIES:
+                config = TrainConfig(strategy=target, steps=100, **CONFIG)
+                history, s = run(
+                    ModelConfig(), config, Comm.world(), data, resume=root / source, reshard=True
+                )
+                save_result(root / f"resumed-{source}-to-{target}-N{n}.npz", history, s)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,162 @@
+"""Sharded checkpoints: bit-identical resume, resharding between strategies and N, bad files."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_lesson.checkpoint import CheckpointError, read_manifest
+from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.data import Dataset
+from fsdp_lesson.train import run
+
+HERE = Path(__file__).parent
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+STRATEGIES = ["dp", "zero1", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def data():
+    return Dataset.load()
+
+
+def small(**kw) -> TrainConfig:
+    return TrainConfig(**({"steps": 40, "eval_batches": 2, "n_samples": 2} | kw))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("c_compat", [False, True])
+def test_resume_is_bit_identical_to_a_run_that_never_stopped(tmp_path, data, optimizer, c_compat):
+    config = small(optimizer=optimizer, c_compat=c_compat)
+    straight, s1 = run(ModelConfig(), config, data=data)
+    run(
+        ModelConfig(),
+        small(optimizer=optimizer, c_compat=c_compat, steps=20),
+        data=data,
+        save_every=10,
+        checkpoint_dir=tmp_path / "ckpt",
+    )
+    resumed, s2 = run(ModelConfig(), config, data=data, resume=tmp_path / "ckpt")
+    for layer, p in s1.full_params().items():
+        for k, v in p.items():
+            assert v.tobytes() == s2.full_params()[layer][k].tobytes(), f"{layer}.{k}"
+    assert np.array_equal(straight.losses[20:], resumed.losses[20:])
+    assert np.isnan(resumed.losses[:20]).all()
+    assert straight.samples == resumed.samples and straight.val_loss == resumed.val_loss
+
+
+def saved(tmp_path, data, **kw) -> Path:
+    run(
+        ModelConfig(),
+        small(steps=10, **kw),
+        data=data,
+        save_every=10,
+        checkpoint_dir=tmp_path / "c",
+    )
+    return tmp_path / "c"
+
+
+def test_a_corrupted_shard_is_refused(tmp_path, data):
+    ckpt = saved(tmp_path, data)
+    shard = next(ckpt.glob("rank*.npz"))
+    shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(CheckpointError, match="missing or corrupted"):
+        run(ModelConfig(), small(), data=data, resume=ckpt)
+
+
+def test_another_model_or_optimizer_is_refused(tmp_path, data):
+    ckpt = saved(tmp_path, data)
+    with pytest.raises(CheckpointError, match="another model"):
+        run(ModelConfig(hidden_size=32), small(), data=data, resume=ckpt)
+    with pytest.raises(CheckpointError, match="'optimizer': 'sgd'"):
+        run(ModelConfig(), small(optimizer="adam"), data=data, resume=ckpt)
+
+
+def test_another_strategy_needs_reshard(tmp_path, data):
+    ckpt = saved(tmp_path, data)  # saved by single
+    with pytest.raises(CheckpointError, match="pass --reshard"):
+        run(ModelConfig(), small(strategy="zero3"), data=data, resume=ckpt)
+
+
+def test_an_interrupted_save_leaves_nothing_that_loads(tmp_path, data):
+    ckpt = saved(tmp_path, data)
+    partial = tmp_path / "half"
+    ckpt.rename(partial.with_name("half.partial"))  # as if the rename never happened
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        read_manifest(partial)
+
+
+def test_manifest_lists_every_file_with_its_checksum(tmp_path, data):
+    manifest = json.loads((saved(tmp_path, data) / "manifest.json").read_text())
+    assert (
+        manifest["strategy"] == "single" and manifest["world_size"] == 1 and manifest["step"] == 10
+    )
+    assert list(manifest["files"]) == ["rank00000-of-00001.npz"]
+    assert all(len(digest) == 64 for digest in manifest["files"].values())
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Save at N=4 with every strategy; resume every checkpoint into every strategy at 4, 3, 2."""
+    root = tmp_path_factory.mktemp("ckpt")
+    for n, mode in [(4, "save"), (4, "resume"), (3, "resume"), (2, "resume")]:
+        result = subprocess.run(
+            [
+                MPIEXEC,
+                "-n",
+                str(n),
+                sys.executable,
+                str(HERE / "checkpoint_worker.py"),
+                mode,
+                str(root),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def load(path: Path) -> dict:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_at_the_same_n_is_bit_identical(resharded, strategy):
+    straight = load(resharded / f"straight-{strategy}-N4.npz")
+    resumed = load(resharded / f"resumed-{strategy}-to-{strategy}-N4.npz")
+    for key in straight:
+        if key != "losses":
+            assert straight[key].tobytes() == resumed[key].tobytes(), key
+    assert np.array_equal(straight["losses"][50:], resumed["losses"][50:])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [4, 3, 2, 1])
+def test_resharding_every_strategy_pair_trains_on_equivalently(resharded, data, n):
+    config = TrainConfig(
+        strategy="single", optimizer="adam", batch_size=24, steps=100, eval_batches=2, n_samples=1
+    )
+    reference, s = run(ModelConfig(), config, data=data)
+    expected = {f"{layer}.{k}": v for layer, p in s.full_params().items() for k, v in p.items()}
+    for source in STRATEGIES:
+        if n == 1:  # into single, in this process
+            h, s1 = run(ModelConfig(), config, data=data, resume=resharded / source, reshard=True)
+            params = {
+                f"{layer}.{k}": v for layer, p in s1.full_params().items() for k, v in p.items()
+            }
+            results = {"single": params | {"losses": h.losses}}
+        else:
+            results = {t: load(resharded / f"resumed-{source}-to-{t}-N{n}.npz") for t in STRATEGIES}
+        for target, got in results.items():
+            for key, want in expected.items():
+                diff = np.abs(got[key] - want).max()
+                assert diff <= 1e-5, f"{source}@4 -> {target}@{n}: {key} differs by {diff:.1e}"
+            loss_diff = np.abs(got["losses"][50:] - reference.losses[50:]).max()
+            assert loss_diff <= 1e-5, f"{source}@4 -> {target}@{n}: loss differs by {loss_diff:.1e}"
