@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,22 @@ from .memory import MemoryBudgetError
 
 class UsageError(Exception):
     """A bad flag or value: one line on stderr and exit code 2, no traceback."""
+
+
+def launcher_rank_and_size() -> tuple[int, int]:
+    """This process's rank and the job's size as the MPI launcher announced them, before MPI starts.
+
+    Bad flags are caught before MPI starts, and only rank 0 should say so.
+    """
+    for rank_var, size_var in [
+        ("PMI_RANK", "PMI_SIZE"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMIX_RANK", "PMIX_SIZE"),
+        ("SLURM_PROCID", "SLURM_NTASKS"),
+    ]:
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return 0, 1
 
 
 class Parser(argparse.ArgumentParser):
@@ -142,7 +159,8 @@ def train_command(args) -> None:
         c_compat=args.c_compat,
         log_every=args.log_every,
     )
-    comm = Comm() if args.strategy == "single" else Comm.world()
+    launched_alone = launcher_rank_and_size()[1] == 1
+    comm = Comm() if args.strategy == "single" and launched_alone else Comm.world()
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     problem = None
     try:
@@ -211,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             return data_command(args)
         train_command(args)
     except (UsageError, DataError) as err:
-        if str(err):
+        if str(err) and launcher_rank_and_size()[0] == 0:
             print(err, file=sys.stderr)
         return 2
     return 0

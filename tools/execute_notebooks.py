@@ -13,12 +13,23 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # as under CI: no progress lines in outputs
 
-for name in sys.argv[1:]:
-    path = Path(name).resolve()
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    nbformat.write(nb, path)
-    print(f"executed {path.name}")
+def execute(nb: nbformat.NotebookNode, folder: Path) -> None:
+    """Run every cell of nb in a fresh kernel whose working directory is `folder`."""
+    NotebookClient(
+        nb,
+        timeout=900,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(folder)}},
+    ).execute()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # as under CI: no progress lines in outputs
+    for name in sys.argv[1:]:
+        path = Path(name).resolve()
+        nb = nbformat.read(path, as_version=4)
+        execute(nb, path.parent)
+        nbformat.write(nb, path)
+        print(f"executed {path.name}")

@@ -50,7 +50,7 @@ def isolate_ipython_dir() -> None:
 def run_lesson() -> int:
     """Execute every notebook top to bottom against the cluster; write HTML; print a summary."""
     import nbformat
-    from nbclient import NotebookClient
+    from execute_notebooks import execute  # tools/, beside this file
     from nbconvert import HTMLExporter
 
     isolate_ipython_dir()
@@ -62,8 +62,7 @@ def run_lesson() -> int:
             nb = nbformat.read(path, as_version=4)
             start = time.perf_counter()
             try:
-                NotebookClient(nb, timeout=900, kernel_name="python3",
-                               resources={"metadata": {"path": str(path.parent)}}).execute()
+                execute(nb, path.parent)
                 status = "executed OK"
             except Exception as err:  # report and go on with the next notebook
                 status = f"FAILED: {type(err).__name__}: {str(err).strip().splitlines()[-1]}"
@@ -81,9 +80,19 @@ def run_lesson() -> int:
 def run_tests(pytest_args: list[str]) -> int:
     """pytest over tests/ and the notebooks (nbval, strict), with the cluster the notebooks use."""
     isolate_ipython_dir()
-    command = [sys.executable, "-m", "pytest", "tests", *map(str, NOTEBOOKS), "--nbval",
-               "--nbval-current-env", "--nbval-cell-timeout=600", "-p", "no:cacheprovider",
-               *pytest_args]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests",
+        *map(str, NOTEBOOKS),
+        "--nbval",
+        "--nbval-current-env",
+        "--nbval-cell-timeout=600",
+        "-p",
+        "no:cacheprovider",
+        *pytest_args,
+    ]
     with mpi_cluster():
         return subprocess.call(command, cwd=ROOT)
 
