@@ -117,6 +117,19 @@ def _wait_for_engines(client: ipp.Client, n: int, timeout: float, fix: str) -> N
         ) from err
 
 
+def _check_engine_count(cluster: ipp.Cluster, n: int, fix: str) -> None:
+    """Refuse at once a running cluster that was started with another number of engines.
+
+    (Waiting would only time out: engines that were never launched never register.)
+    """
+    launched = sum(engine_set.n or 0 for engine_set in cluster.engines.values())
+    if cluster.engines and launched != n:
+        raise ClusterError(
+            f"The running cluster was started with {launched} engines, but n={n} were asked "
+            f"for. Fix: {fix}"
+        )
+
+
 def _running_cluster(profile: str) -> ipp.Cluster | None:
     """The cluster `ipcluster start` runs for this profile, or None (stale files count as none)."""
     try:
@@ -153,6 +166,8 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
             f"({type(err).__name__}: {err}). Fix: {fix}"
         ) from err
     try:
+        if not owned:
+            _check_engine_count(cluster, n, fix)
         _wait_for_engines(client, n, timeout, fix)
         ids_by_rank = _ids_in_rank_order(client, n, timeout, fix)
     except ClusterError:
