@@ -10,25 +10,31 @@ clear error instead of a cell that never returns.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import ipyparallel as ipp
+import psutil
 from ipyparallel.datapub import publish_data
 from ipyparallel.error import EngineError
 from IPython import get_ipython
 from IPython.display import display
 from traitlets.config import Config
 
-# ipyparallel's info lines ("Starting 4 engines ...") stay out of notebook outputs.
+# ipyparallel's info lines ("Starting 4 engines ...") and the engines' logs it dumps when
+# mpiexec is stopped stay out of notebook outputs; our errors say what matters.
 _log = logging.getLogger(__name__)
+_log.addHandler(logging.NullHandler())
+_log.propagate = False
 # After one rank fails, how long the others get to finish before we call them stuck.
 _GRACE_SECONDS = 3.0
 # How often run() wakes up to refresh the progress line.
@@ -157,6 +163,7 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
     try:
         if owned:
             cluster.start_cluster_sync()
+            _stop_when_gone(os.getpid(), cluster.cluster_file)
         client = cluster.connect_client_sync(timeout=timeout)
     except Exception as err:
         if owned:
@@ -175,7 +182,9 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
         if owned:
             cluster.stop_cluster_sync()
         raise
-    return Ranks(client, ids_by_rank, profile, timeout, cluster if owned else None)
+    ranks = Ranks(client, ids_by_rank, profile, timeout, cluster if owned else None)
+    ranks.engine_logs = [es.output_file for es in cluster.engines.values()]
+    return ranks
 
 
 class Ranks:
@@ -196,6 +205,8 @@ class Ranks:
         self._profile = profile
         self._timeout = timeout
         self.cluster = cluster  # the ipyparallel Cluster if connect() started it, else None
+        self.engine_logs: list[str] = []  # where mpiexec reports a rank that died
+        self.pids = self.view.apply_async(os.getpid).get(timeout=timeout)  # by rank
 
     def __repr__(self) -> str:
         return f"<Ranks n={self.n} engines by rank={self.view.targets}>"
@@ -257,6 +268,7 @@ class Ranks:
         evalue = getattr(err, "evalue", str(err))
         note = ""
         if ename == "EngineError":
+            rank, evalue = self._lost_rank(default=rank)
             note = self._recover("An engine died, and that ends the MPI job of all the engines")
         elif stuck:
             note = self._recover(
@@ -277,10 +289,29 @@ class Ranks:
         self._restart_engines()
         return f"\n{what}, so the engines were restarted (their variables are gone)."
 
+    def _lost_rank(self, default: int, wait: float = 5.0) -> tuple[int, str]:
+        """Which rank died first. Each engine's nanny logs when its engine exits; the first
+        to log is the engine that died, the others went down with the MPI job after it."""
+        pattern = r"(\d\d:\d\d:\d\d\.\d+) \[KernelNanny\.\d+\] (?:Pipe closed, parent|Parent) (\d+)"
+        deadline = time.monotonic() + wait
+        while True:
+            exits = []
+            for log in self.engine_logs:
+                with contextlib.suppress(OSError), open(log) as f:
+                    exits += [(t, int(pid)) for t, pid in re.findall(pattern, f.read())]
+            if len({pid for _, pid in exits} & set(self.pids)) == self.n:  # all have logged
+                pid = min(exits)[1]
+                rank = self.pids.index(pid)
+                return rank, f"the engine of rank {rank} (pid {pid}) died first"
+            if time.monotonic() > deadline:
+                return default, "an engine died (its log does not say which first)"
+            time.sleep(0.1)
+
     def _restart_engines(self) -> None:
         """Kill the engine set and start a fresh one; a rank blocked in MPI ignores SIGTERM."""
         old = set(self.view.targets)
-        self.cluster.signal_engines_sync(signal.SIGKILL)
+        with contextlib.suppress(psutil.NoSuchProcess):  # mpiexec may have ended the job already
+            self.cluster.signal_engines_sync(signal.SIGKILL)
         self.cluster.stop_engines_sync()
         # New engines reuse the old ids, so wait for the old ones to unregister first.
         deadline = time.monotonic() + self._timeout
@@ -291,6 +322,8 @@ class Ranks:
         _wait_for_engines(self.client, self.n, self._timeout, fix)
         # Update the view in place, so a view activated for %px keeps working.
         self.view.targets = _ids_in_rank_order(self.client, self.n, self._timeout, fix)
+        self.pids = self.view.apply_async(os.getpid).get(timeout=self._timeout)
+        self.engine_logs = [es.output_file for es in self.cluster.engines.values()]
 
     def close(self) -> None:
         """Close the client; stop the cluster too if connect() started it."""
@@ -336,6 +369,26 @@ class _ProgressLine:
             sys.stdout.write("\n")
 
 
+def _stop_when_gone(pid: int, cluster_file: str) -> None:
+    """Start a watchdog that stops the cluster once process `pid` ends, even if it is killed
+    (atexit runs only on a clean exit; nbval and a kernel restart kill the kernel)."""
+    subprocess.Popen(
+        [sys.executable, "-m", "fsdp_lesson.cluster", str(pid), cluster_file],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _watchdog(pid: int, cluster_file: str) -> None:
+    """The watchdog: wait for `pid` to end (or the cluster to be stopped), then stop it."""
+    while psutil.pid_exists(pid) and os.path.exists(cluster_file):
+        time.sleep(1)
+    if os.path.exists(cluster_file):
+        ipp.Cluster.from_file(cluster_file, log=_log).stop_cluster_sync()
+
+
 def report_progress(step: int, loss: float) -> None:
     """On an engine, send (step, loss) to run()'s progress line; elsewhere, do nothing."""
     kernel = sys.modules.get("ipyparallel.engine.kernel")  # imported only inside an engine
@@ -356,3 +409,7 @@ def _name(fn: Callable[..., Any]) -> str:
 def _strip_ansi(text: str) -> str:
     """Remote tracebacks come colored; drop the escape codes for plain error messages."""
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+if __name__ == "__main__":  # the watchdog process of _stop_when_gone
+    _watchdog(int(sys.argv[1]), sys.argv[2])

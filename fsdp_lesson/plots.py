@@ -43,47 +43,40 @@ def loss_curves(curves: dict[str, np.ndarray], smooth: int = 50, ax: Axes | None
     return ax.figure
 
 
-def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None = None) -> Figure:
-    """For each label, one stacked bar per rank (bytes by category); formula totals as lines."""
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * sum(map(len, reports.values()))), 3.8))
-    x, ticks, labels = 0.0, [], []
-    for group, (label, per_rank) in enumerate(reports.items()):
-        xs = x + np.arange(len(per_rank))
-        bottom = np.zeros(len(per_rank))
-        for category in CATEGORIES:
-            heights = np.array([peak.get(category, 0) for peak in per_rank], dtype=float)
-            ax.bar(
-                xs,
-                heights,
-                bottom=bottom,
-                width=0.8,
-                color=CATEGORY_COLORS[category],
-                label=category if group == 0 else None,
-            )
-            bottom += heights
-        if formula and label in formula:
-            total = sum(formula[label].values())
-            ax.hlines(
-                total,
-                xs[0] - 0.45,
-                xs[-1] + 0.45,
-                colors="black",
-                linestyles="--",
-                label="formula" if group == 0 else None,
-            )
-        ticks += list(xs)
-        labels += [f"{label}\nrank {r}" if r == 0 else f"rank {r}" for r in range(len(per_rank))]
-        x += len(per_rank) + 1
-    ax.set_xticks(ticks, labels, fontsize=8)
+def _finish(fig: Figure, ax: Axes, ylabel: str, title: str) -> Figure:
+    """Bytes shown as kB, the legend outside on the right, a tight layout."""
     ax.yaxis.set_major_formatter(KB)
-    ax.set(ylabel="peak kB per rank", title="memory per rank by category (ledger peaks)")
+    ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     return fig
 
 
+def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None = None) -> Figure:
+    """For each label, one stacked bar per rank (bytes by category); formula totals as lines."""
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * sum(map(len, reports.values()))), 3.8))
+    x, ticks, labels, lines = 0, [], [], []  # lines: (total, from x, to x) of each formula
+    for group, (label, per_rank) in enumerate(reports.items()):
+        xs = x + np.arange(len(per_rank))
+        bottom = np.zeros(len(per_rank))
+        for category in CATEGORIES:
+            heights = np.array([peak.get(category, 0) for peak in per_rank], dtype=float)
+            legend = category if group == 0 else None
+            ax.bar(xs, heights, 0.8, bottom, color=CATEGORY_COLORS[category], label=legend)
+            bottom += heights
+        if formula and label in formula:
+            lines.append((sum(formula[label].values()), xs[0] - 0.45, xs[-1] + 0.45))
+        ticks += list(xs)
+        labels += [f"{label}\nrank {r}" if r == 0 else f"rank {r}" for r in range(len(per_rank))]
+        x += len(per_rank) + 1
+    if lines:
+        ax.hlines(*zip(*lines, strict=True), colors="black", linestyles="--", label="formula")
+    ax.set_xticks(ticks, labels, fontsize=8)
+    return _finish(fig, ax, "peak kB per rank", "memory per rank by category (ledger peaks)")
+
+
 def traffic_bars(traffic: dict[str, dict], formula: dict[str, float] | None = None) -> Figure:
-    """One stacked bar per label: bytes sent per step by collective kind; formula as a marker."""
+    """One stacked bar per label: bytes sent per step by collective kind; formula as a line."""
     fig, ax = plt.subplots(figsize=(max(4, 1.5 * len(traffic)), 3.8))
     kinds = list(KINDS) + sorted({k for t in traffic.values() for k in t} - set(KINDS))
     xs = np.arange(len(traffic))
@@ -91,19 +84,13 @@ def traffic_bars(traffic: dict[str, dict], formula: dict[str, float] | None = No
     for kind in kinds:
         heights = np.array([t.get(kind, 0.0) for t in traffic.values()], dtype=float)
         if heights.any():
-            ax.bar(xs, heights, bottom=bottom, width=0.6, color=KIND_COLORS.get(kind), label=kind)
+            ax.bar(xs, heights, 0.6, bottom, color=KIND_COLORS.get(kind), label=kind)
             bottom += heights
-    if formula:
-        marked = [
-            (x, formula[label]) for x, label in zip(xs, traffic, strict=True) if label in formula
-        ]
-        ax.plot(*zip(*marked, strict=True), "k_", markersize=40, markeredgewidth=2, label="formula")
+    lines = [(formula[k], x - 0.4, x + 0.4) for x, k in enumerate(traffic) if k in (formula or {})]
+    if lines:
+        ax.hlines(*zip(*lines, strict=True), colors="black", linestyles="--", label="formula")
     ax.set_xticks(xs, list(traffic))
-    ax.yaxis.set_major_formatter(KB)
-    ax.set(ylabel="kB sent per rank per step", title="communication per step")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "kB sent per rank per step", "communication per step")
 
 
 def _grid(ax: Axes, arrays: list[np.ndarray], norm: plt.Normalize, title: str) -> None:
@@ -111,16 +98,8 @@ def _grid(ax: Axes, arrays: list[np.ndarray], norm: plt.Normalize, title: str) -
     grid = np.array([np.asarray(a, dtype=float).ravel() for a in arrays])
     ax.imshow(grid, cmap="Blues", norm=norm, aspect="equal")
     for (r, c), value in np.ndenumerate(grid):
-        dark = norm(value) > 0.6
-        ax.text(
-            c,
-            r,
-            f"{value:g}",
-            ha="center",
-            va="center",
-            fontsize=9,
-            color="white" if dark else "black",
-        )
+        color = "white" if norm(value) > 0.6 else "black"  # dark cells get white text
+        ax.text(c, r, f"{value:g}", ha="center", va="center", fontsize=9, color=color)
     ax.set_xticks(np.arange(grid.shape[1] + 1) - 0.5, minor=True)
     ax.set_yticks(np.arange(grid.shape[0] + 1) - 0.5, minor=True)
     ax.grid(which="minor", color="white", linewidth=2)
@@ -142,4 +121,7 @@ def collective_picture(before: list[np.ndarray], after: list[np.ndarray], title:
     _grid(axes[1], after, norm, "after")
     fig.suptitle(title)
     fig.tight_layout()
+    left, right = axes[0].get_position(), axes[1].get_position()
+    middle = ((left.x1 + right.x0) / 2, (left.y0 + left.y1) / 2)
+    fig.text(*middle, "→", ha="center", va="center", fontsize=20)
     return fig

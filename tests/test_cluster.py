@@ -5,8 +5,10 @@ and every fixture stops what it started, even when a test fails.
 """
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -232,8 +234,61 @@ def test_engine_that_dies_is_an_error_not_a_hang(own):
     with pytest.raises(RankError) as info:
         own.run(time.sleep, 30, timeout=60)
     assert time.monotonic() - start < 30
-    assert "died" in str(info.value)
+    assert info.value.rank == 1  # the lost rank is named, not whichever engine reported first
+    assert "the engine of rank 1" in str(info.value) and "restarted" in str(info.value)
     assert own.run(rank_and_size) == [(r, 4) for r in range(4)]
+
+
+@ipp.interactive
+def train_until_rank_2_dies(model_config, train_config, checkpoint_dir, die_at):
+    """Train zero3 with checkpoints; rank 2 kills its own engine at step `die_at` (a crash)."""
+    import os
+    import signal
+
+    from fsdp_lesson.comm import Comm
+    from fsdp_lesson.train import run
+
+    comm = Comm.world()
+
+    def crash(step, loss):
+        if comm.rank == 2 and step == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    run(
+        model_config, train_config, comm, on_log=crash, save_every=10, checkpoint_dir=checkpoint_dir
+    )
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_training_resumes_from_the_checkpoint_after_an_engine_dies(own, tmp_path):
+    from fsdp_lesson.config import ModelConfig, TrainConfig
+    from fsdp_lesson.train import run, run_on_engine
+
+    config = TrainConfig(
+        strategy="zero3", optimizer="adam", steps=60, log_every=1, eval_batches=2, n_samples=2
+    )
+    old_pids = list(own.pids)
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        own.run(
+            train_until_rank_2_dies, ModelConfig(), config, str(tmp_path / "ckpt"), 35, timeout=120
+        )
+    assert time.monotonic() - start < 60  # training time included; the error itself is prompt
+    assert info.value.rank == 2 and "restarted" in str(info.value)
+    assert wait_until_gone(old_pids) == []  # no orphan engine of the crashed job
+    # the engines are back: resume from the last checkpoint (step 30) and finish
+    results = own.run(
+        run_on_engine, ModelConfig(), config, resume=str(tmp_path / "ckpt"), timeout=120
+    )
+    straight, strategy = run(
+        ModelConfig(), config.__class__(**(config.to_dict() | {"strategy": "single"}))
+    )
+    for layer, p in strategy.full_params().items():
+        for k, v in p.items():
+            assert abs(results[0]["params"][layer][k] - v).max() <= 1e-5, f"{layer}.{k}"
+    assert abs(results[0]["losses"][30:] - straight.losses[30:]).max() <= 1e-5
+    assert results[0]["samples"] == straight.samples
 
 
 @pytest.mark.cluster
@@ -249,3 +304,28 @@ def test_progress_line(external, capsys, monkeypatch):
 
 def test_report_progress_is_a_no_op_off_an_engine():
     report_progress(1, 0.5)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_killed_kernel_leaves_no_cluster_behind(tmp_path):
+    """nbval and kernel restarts kill the kernel, so atexit never runs: a watchdog stops it."""
+    script = (
+        "import json, os, sys, time\n"
+        "from fsdp_lesson.cluster import connect\n"
+        "r = connect(n=4, profile='killed', timeout=60)\n"
+        "pids = r.pids + [r.cluster.controller.pid, r.cluster.engine_set.pid]\n"
+        "print(json.dumps({'pids': pids, 'file': r.cluster.cluster_file}), flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(kernel.stdout.readline())
+    finally:
+        kernel.kill()
+        kernel.wait()
+    assert wait_until_gone(started["pids"], timeout=60) == []
+    deadline = time.monotonic() + 30
+    while os.path.exists(started["file"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(started["file"])

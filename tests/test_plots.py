@@ -77,8 +77,8 @@ def test_traffic_bars_stack_kinds_and_mark_the_formula():
     rects = bars(fig)
     assert [r.get_height() for r in rects] == [1000, 12, 0, 1000, 0, 500]
     assert rects[-1].get_y() + rects[-1].get_height() == 1512
-    (marker,) = [line for line in fig.axes[0].get_lines() if line.get_label() == "formula"]
-    assert marker.get_ydata().tolist() == [1000.0, 1512.0]
+    (formula_lines,) = fig.axes[0].collections  # a dashed line over each bar
+    assert [segment[0][1] for segment in formula_lines.get_segments()] == [1000.0, 1512.0]
     fig.canvas.draw()
 
 
@@ -92,4 +92,5 @@ def test_collective_picture_shows_every_value_of_every_rank():
     assert left.get_images()[0].get_array().shape == (4, 8)
     assert [t.get_text() for t in left.get_yticklabels()] == [f"rank {r}" for r in range(4)]
     assert fig._suptitle.get_text() == "Reduce_scatter_block"
+    assert "→" in [t.get_text() for t in fig.texts]  # the arrow from before to after
     fig.canvas.draw()
