@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.model import MLP
 from fsdp_lesson.plan import ledger_bytes
@@ -307,3 +307,34 @@ def test_memory_budget_refuses_dp_and_lets_zero3_train():
     )
     assert zero3.returncode == 0, zero3.stderr
     assert "Final validation loss" in zero3.stdout
+
+
+def test_zero3_past_four_ranks_eight_oversubscribed(tmp_path):
+    """The sharding logic at N=8 (more ranks than cores): the CLI's params equal single's."""
+    args = [
+        "--strategy",
+        "zero3",
+        "--optimizer",
+        "adam",
+        "--steps",
+        "100",
+        "--eval-batches",
+        "2",
+        "--samples",
+        "2",
+        "--log-every",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    result = mpiexec(8, "-m", "fsdp_lesson", "train", *args, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = TrainConfig(optimizer="adam", steps=100, eval_batches=2, n_samples=2)
+    history, strategy = run(ModelConfig(), config, data=Dataset.load())
+    saved = np.load(tmp_path / "params.npz")
+    for layer, p in strategy.full_params().items():
+        for k, v in p.items():
+            assert np.abs(saved[f"{layer}.{k}"] - v).max() <= 1e-5, f"{layer}.{k}"
+    logged = json.loads((tmp_path / "history.json").read_text())
+    assert logged["world_size"] == 8 and len(logged["memory"]) == 8
+    assert np.abs(np.array(logged["losses"]) - history.losses).max() <= 1e-5
