@@ -125,6 +125,7 @@ def build_parser() -> Parser:
     )
     train.add_argument("--out", type=Path, default=None, help="write history.json and params.npz")
 
+    commands.add_parser("bench", help="the memory/traffic/time sweep (see bench --help)")
     data = commands.add_parser("data", help="build or check data/names.txt")
     data.add_argument("action", choices=["build", "check"])
     data.add_argument("--path", type=Path, default=DEFAULT_PATH)
@@ -223,6 +224,11 @@ def data_command(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the sweep has its own flags (fsdp_lesson.bench)
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.command == "data":

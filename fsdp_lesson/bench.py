@@ -1,0 +1,129 @@
+"""The measurement sweep: strategy x ranks x model, every rank's memory, traffic and time.
+
+    python -m fsdp_lesson bench --out build/sweep.json            # the notebook's quick sweep
+    python -m fsdp_lesson bench --full --out build/sweep-full.json
+
+For each rank count N it runs `mpiexec -n N` once; every rank trains each (model, strategy)
+for a few steps and reports its ledger peaks, tracemalloc peak, RSS, traffic per step by
+collective and ms/step (median) split into communication and compute. Rank 0 prints one
+JSON line per run; this process collects them into one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+# name -> (ModelConfig fields, steps): 18,635, 0.93 M and 30.0 M parameters.
+MODELS = {
+    "seed": ({}, 300),
+    "medium": ({"hidden_size": 512, "n_layers": 4}, 20),
+    "large": ({"hidden_size": 2048, "n_layers": 8}, 4),
+}
+QUICK = {"ranks": [1, 2, 4], "models": ["seed", "medium"]}
+FULL = {"ranks": [1, 2, 4, 8], "models": ["seed", "medium", "large"]}
+
+
+def measure(model_name: str, strategy: str, optimizer: str = "adam") -> dict | None:
+    """Train one configuration on this MPI job; rank 0 gets every rank's figures."""
+    from .comm import Comm
+    from .config import ModelConfig, TrainConfig
+    from .train import run
+
+    fields, steps = MODELS[model_name]
+    comm = Comm.world()
+    config = TrainConfig(
+        strategy=strategy, optimizer=optimizer, steps=steps, eval_batches=0, n_samples=0
+    )
+    # memory from 2 steps under tracemalloc (which slows Python down); time from a clean run
+    traced, _ = run(ModelConfig(**fields), replace(config, steps=2), comm, trace_memory=True)
+    comm = Comm.world()
+    history, _ = run(ModelConfig(**fields), config, comm)
+    timed = history.step_seconds[1:]  # skip the warm-up step
+    mine = {
+        "memory": traced.memory,
+        "rss_bytes": psutil.Process().memory_info().rss,  # the whole process: a ceiling
+        "traffic_per_step": {k: t["sent_bytes"] / steps for k, t in history.traffic.items()},
+        "ms_per_step": float(np.median(timed) * 1e3),
+        "comm_ms_per_step": sum(t["seconds"] for t in history.traffic.values()) / steps * 1e3,
+    }
+    per_rank = comm.gather_objects(mine)
+    if comm.rank != 0:
+        return None
+    return {
+        "model": model_name,
+        "model_config": fields,
+        "strategy": strategy,
+        "optimizer": optimizer,
+        "ranks": comm.size,
+        "steps": steps,
+        "per_rank": per_rank,
+    }
+
+
+def worker(models: list[str]) -> None:
+    """Runs on every rank of one mpiexec: every model x strategy, one JSON line each."""
+    for model_name in models:
+        for strategy in STRATEGIES:
+            result = measure(model_name, strategy)
+            if result is not None:
+                print(json.dumps(result), flush=True)
+
+
+def sweep(ranks: list[int], models: list[str], timeout: float = 1800) -> list[dict]:
+    """One mpiexec per rank count; returns every run's record."""
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    records = []
+    for n in ranks:
+        start = time.perf_counter()
+        command = [
+            mpiexec,
+            "-n",
+            str(n),
+            sys.executable,
+            "-m",
+            "fsdp_lesson.bench",
+            "--worker",
+            *models,
+        ]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"mpiexec -n {n} failed:\n{out.stderr[-2000:]}")
+        records += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        print(
+            f"N={n}: {len(models) * len(STRATEGIES)} runs in {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+        )
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_lesson bench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--out", type=Path, default=Path("build/sweep.json"))
+    parser.add_argument("--full", action="store_true", help="add N=8 and the 30 M-parameter model")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    plan = FULL if args.full else QUICK
+    records = sweep(plan["ranks"], plan["models"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1))
+    print(f"wrote {len(records)} runs to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The measurement sweep (python -m fsdp_lesson bench) and the planner agree to the byte."""
+
+import pytest
+
+from fsdp_lesson.bench import MODELS, STRATEGIES, sweep
+from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.plan import layer_sizes, ledger_bytes, padded, traffic_bytes
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def records():
+    return sweep(ranks=[2], models=["seed", "medium"])
+
+
+def test_one_record_per_model_and_strategy_with_every_rank(records):
+    assert {(r["model"], r["strategy"]) for r in records} == {
+        (m, s) for m in ("seed", "medium") for s in STRATEGIES
+    }
+    assert all(r["ranks"] == 2 and len(r["per_rank"]) == 2 for r in records)
+
+
+def test_the_planner_predicts_every_measured_ledger(records):
+    for r in records:
+        model = ModelConfig(**MODELS[r["model"]][0])
+        predicted = ledger_bytes(r["strategy"], model, 2, r["optimizer"], micro_batch=32 // 2)
+        for rank in r["per_rank"]:
+            assert rank["memory"]["peak"] == predicted, (r["model"], r["strategy"])
+            traced = rank["memory"]["tracemalloc_peak"]
+            assert traced >= rank["memory"]["peak_total"]  # tracemalloc sees the ledger's arrays
+            assert rank["rss_bytes"] > traced
+
+
+def test_traffic_is_2_psi_or_3_psi_plus_the_logged_loss(records):
+    for r in records:
+        sizes = layer_sizes(ModelConfig(**MODELS[r["model"]][0]))
+        psi = sum(sizes) if r["strategy"] == "dp" else sum(padded(s, 2) for s in sizes)
+        expected = traffic_bytes(r["strategy"], psi, 2) + 2 * (1 / 2) * 8
+        for rank in r["per_rank"]:
+            measured = sum(rank["traffic_per_step"].values())
+            assert measured == pytest.approx(expected, rel=1e-12), (r["model"], r["strategy"])
