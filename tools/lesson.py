@@ -29,7 +29,8 @@ def mpi_cluster(n: int = N_ENGINES):
     """Start `ipcluster --engines=MPI -n n` (profile default), yield, and always stop it."""
     import ipyparallel as ipp
 
-    cluster = ipp.Cluster(n=n, engines="mpi", profile="default", log_level=40)
+    # cluster_id "" is what `ipcluster start` uses: the notebooks' connect() finds this one
+    cluster = ipp.Cluster(n=n, engines="mpi", profile="default", cluster_id="", log_level=40)
     print(f"starting a local cluster of {n} MPI engines ...", flush=True)
     try:
         cluster.start_cluster_sync()
@@ -41,24 +42,29 @@ def mpi_cluster(n: int = N_ENGINES):
         print("cluster stopped", flush=True)
 
 
-def isolate_ipython_dir() -> None:
-    """Keep this job's cluster files apart from a learner's own (~/.ipython)."""
-    os.environ["IPYTHONDIR"] = str(ROOT / "build" / "ipython")
+def prepare_environment() -> None:
+    """This venv's mpiexec first on PATH; this job's cluster files apart from a learner's own."""
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+    os.environ["IPYTHONDIR"] = os.environ.get("LESSON_IPYTHONDIR", str(ROOT / "build" / "ipython"))
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no streaming, no progress widgets
 
 
-def run_lesson() -> int:
-    """Execute every notebook top to bottom against the cluster; write HTML; print a summary."""
+def run_lesson(notebooks: list[Path]) -> int:
+    """Execute the notebooks top to bottom against the cluster; write HTML; print a summary.
+
+    The executed copies go to build/html/ only: the committed notebooks stay as they are.
+    """
     import nbformat
     from execute_notebooks import execute  # tools/, beside this file
     from nbconvert import HTMLExporter
 
-    isolate_ipython_dir()
+    prepare_environment()
+    os.environ["FSDP_LESSON_DOCS"] = "1"  # notebook 06 saves the README's plots to docs/
     html_dir = ROOT / "build" / "html"
     html_dir.mkdir(parents=True, exist_ok=True)
     summary = []
     with mpi_cluster():
-        for path in NOTEBOOKS:
+        for path in notebooks:
             nb = nbformat.read(path, as_version=4)
             start = time.perf_counter()
             try:
@@ -71,27 +77,33 @@ def run_lesson() -> int:
             (html_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
             summary.append((path.name, status, seconds))
             print(f"{path.name:40s} {status} ({seconds:.1f} s)", flush=True)
-    print(f"\nHTML in {html_dir.relative_to(ROOT)}/")
+    print(f"\nSummary (HTML in {html_dir}/):")
     for name, status, seconds in summary:
         print(f"  {name:40s} {status:12s} {seconds:6.1f} s")
     return 0 if all(status == "executed OK" for _, status, _ in summary) else 1
 
 
 def run_tests(pytest_args: list[str]) -> int:
-    """pytest over tests/ and the notebooks (nbval, strict), with the cluster the notebooks use."""
-    isolate_ipython_dir()
+    """pytest over tests/ and the notebooks (nbval, strict), with the cluster the notebooks use.
+
+    The notebooks run three times (pytest --keep-duplicates): nbval must pass run after run.
+    Paths among pytest_args replace the default selection.
+    """
+    prepare_environment()
+    paths = [a for a in pytest_args if not a.startswith("-")]
+    options = [a for a in pytest_args if a.startswith("-")]
+    selection = paths or ["tests", *map(str, NOTEBOOKS * 3), "--keep-duplicates"]
     command = [
         sys.executable,
         "-m",
         "pytest",
-        "tests",
-        *map(str, NOTEBOOKS),
+        *selection,
         "--nbval",
         "--nbval-current-env",
         "--nbval-cell-timeout=600",
         "-p",
         "no:cacheprovider",
-        *pytest_args,
+        *options,
     ]
     with mpi_cluster():
         return subprocess.call(command, cwd=ROOT)
@@ -121,8 +133,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("job", choices=["run", "test", "lab"])
     args, rest = parser.parse_known_args()
-    if args.job == "run":
-        return run_lesson()
+    if args.job == "run":  # optional notebook paths run a subset
+        return run_lesson([Path(p).resolve() for p in rest] or NOTEBOOKS)
     if args.job == "test":
         return run_tests(rest)
     return run_lab()
