@@ -17,7 +17,7 @@ import numpy as np
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Comm
-from .config import ModelConfig, TrainConfig
+from .config import ConfigError, ModelConfig, TrainConfig
 from .data import Dataset, GlobalBatchSampler, decode, rank_slice
 from .memory import MemoryLedger
 from .model import MLP, softmax
@@ -190,6 +190,8 @@ def run(
     comm = comm or Comm()
     train_config.validate(comm.size)  # the same verdict on every rank, before any collective
     model_config.validate()
+    if save_every and checkpoint_dir is None:
+        raise ConfigError("save_every needs a checkpoint_dir to save into")
     data = data or Dataset.load(seq_len=model_config.seq_len)
     tc = train_config
     rng = make_rng(tc.seed, tc.c_compat)
@@ -208,7 +210,8 @@ def run(
     first_step = 0
     if resume is not None:
         first_step = load_checkpoint(resume, strategy, rng, *configs, reshard=reshard)
-        history.losses[:first_step] = np.nan  # those steps ran before the checkpoint
+        for series in (history.losses, history.local_losses, history.step_seconds):
+            series[:first_step] = np.nan  # those steps ran before the checkpoint
 
     for step in range(first_step, tc.steps):
         start = time.perf_counter()
