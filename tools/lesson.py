@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -119,6 +120,8 @@ def run_lab() -> int:
     except Exception:
         running = False
     lab = [sys.executable, "-m", "jupyter", "lab", "--notebook-dir", str(ROOT / "notebooks")]
+    if os.geteuid() == 0:  # containers often run as root, which Jupyter refuses by default
+        lab.append("--allow-root")
     if running:
         print("using the running ipcluster (profile default)")
         return subprocess.call(lab)
@@ -130,6 +133,8 @@ def run_lab() -> int:
 
 
 def main() -> int:
+    # A terminated job (CI's timeout, a closed terminal) still stops its cluster: exit via finally.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("job", choices=["run", "test", "lab"])
     args, rest = parser.parse_known_args()
