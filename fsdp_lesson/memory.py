@@ -51,12 +51,6 @@ class MemoryLedger:
         self.peak[category] = max(self.peak[category], self.live[category])
         self.peak_total = max(self.peak_total, self.live_total)
 
-    def replace(self, category: str, label: str, nbytes: int) -> None:
-        """Swap what `label` counts for nbytes: the new array is counted before the old is freed."""
-        old = self.held.pop(label)
-        self.hold(category, label, nbytes)
-        self.live[old[0]] -= old[1]
-
     def free(self, label: str) -> None:
         category, nbytes = self.held.pop(label)
         self.live[category] -= nbytes

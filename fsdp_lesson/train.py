@@ -51,18 +51,24 @@ def train_step(model: MLP, strategy: Strategy, X: np.ndarray, Y: np.ndarray) -> 
     loss, loss_cache = model.loss.forward(logits, Y)
     dx = model.loss.backward(loss_cache)  # in place in the cache's probs
     del logits, loss_cache  # no stray references: what the ledger frees is really freed
-    ledger.hold("activations", "dx", dx.nbytes)
+    dx_label = "dlogits"
+    ledger.hold("activations", dx_label, dx.nbytes)
+    ledger.mark("loss")
     for layer in reversed(model.layers):
         p = strategy.materialize(layer)
         # the cache is popped so that its array is really freed after this layer
         dx = layer.backward(p, caches.pop(), dx, strategy.grad_buffer(layer))
         strategy.reduce_grads(layer)
         strategy.release(layer)
-        ledger.replace("activations", "dx", 0 if dx is None else dx.nbytes)
-        ledger.free(layer.name)  # this layer's cache is no longer needed
+        # the new dx (the gradient of the layer's input) exists while the old one still does
+        ledger.hold("activations", f"d_in {layer.name}", 0 if dx is None else dx.nbytes)
         ledger.mark(f"backward {layer.name}")
-    ledger.free("dx")
+        ledger.free(dx_label)
+        ledger.free(layer.name)  # this layer's cache is no longer needed
+        dx_label = f"d_in {layer.name}"
+    ledger.free(dx_label)
     strategy.step()
+    ledger.mark("step")
     return loss
 
 

@@ -47,6 +47,16 @@ RUNS = [
 COMMON = dict(steps=100, batch_size=24, eval_batches=5, n_samples=3)
 
 
+def padding_is_zero(strategy) -> bool:
+    """Whether every padding element this rank holds of every layer's parameters is 0."""
+    for name, flat in strategy.layout.items():
+        params = strategy.params[name]
+        start = flat.shard_range(strategy.comm.rank)[0] if strategy.shards_params else 0
+        if params[max(flat.numel - start, 0) :].any():
+            return False
+    return True
+
+
 def main(out: str) -> None:
     comm, data = Comm.world(), Dataset.load()
     results = {}
@@ -57,7 +67,12 @@ def main(out: str) -> None:
         history, strategy = run(model_config, config, comm=comm, data=data, **run_kwargs)
         params = strategy.full_params()
         per_rank = comm.gather_objects(
-            {"memory": history.memory, "traffic": history.traffic, "after": comm.traffic_report()}
+            {
+                "memory": history.memory,
+                "traffic": history.traffic,
+                "after": comm.traffic_report(),
+                "padding_is_zero": padding_is_zero(strategy),
+            }
         )
         if comm.rank == 0:
             results[name] = {

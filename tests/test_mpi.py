@@ -338,3 +338,9 @@ def test_zero3_past_four_ranks_eight_oversubscribed(tmp_path):
     logged = json.loads((tmp_path / "history.json").read_text())
     assert logged["world_size"] == 8 and len(logged["memory"]) == 8
     assert np.abs(np.array(logged["losses"]) - history.losses).max() <= 1e-5
+
+
+def test_padding_stays_zero(world):
+    n, results = world
+    for name, r in results.items():
+        assert all(report["padding_is_zero"] for report in r["per_rank"]), f"{name} N={n}"

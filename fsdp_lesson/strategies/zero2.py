@@ -27,7 +27,9 @@ class ZeRO2(ZeRO1):
 
     def reduce_grads(self, layer) -> None:
         """Right after the layer's backward: its mean gradient shard; the buffer is free again."""
-        full = self.full_grad[: self.layout[layer.name].padded_numel]
+        flat = self.layout[layer.name]
+        full = self.full_grad[: flat.padded_numel]
+        full[flat.numel :] = 0  # the reused buffer's padding may hold a larger layer's values
         self.comm.reduce_scatter_mean(full, self.grads[layer.name])
 
     def owned_grad(self, name: str):

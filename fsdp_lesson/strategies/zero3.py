@@ -52,7 +52,9 @@ class ZeRO3(Strategy):
         return flat.views(self.gathered_grads[: flat.padded_numel])
 
     def reduce_grads(self, layer) -> None:
-        full = self.gathered_grads[: self.layout[layer.name].padded_numel]
+        flat = self.layout[layer.name]
+        full = self.gathered_grads[: flat.padded_numel]
+        full[flat.numel :] = 0  # the reused buffer's padding may hold a larger layer's values
         self.comm.reduce_scatter_mean(full, self.grads[layer.name])
 
     def step(self) -> None:
