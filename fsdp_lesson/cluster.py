@@ -260,10 +260,15 @@ class Ranks:
         return [part.result(timeout=0) for part in per_rank]
 
     def _raise_rank_error(self, per_rank: list, rank: int) -> None:
-        """Give the others a moment, restart stuck or dead engines, raise RankError for `rank`."""
-        err = per_rank[rank].exception()
+        """Give the others a moment, restart stuck or dead engines, raise one RankError.
+
+        When several ranks fail (often all alike), the lowest one is named, so the message
+        is the same run after run.
+        """
         concurrent.futures.wait([p for p in per_rank if not p.done()], timeout=_GRACE_SECONDS)
         stuck = [r for r, part in enumerate(per_rank) if not part.done()]
+        rank = min(r for r, part in enumerate(per_rank) if part.done() and part.exception())
+        err = per_rank[rank].exception()
         ename = getattr(err, "ename", type(err).__name__)
         evalue = getattr(err, "evalue", str(err))
         note = ""

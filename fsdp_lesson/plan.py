@@ -51,7 +51,10 @@ def traffic_bytes(stage: str, psi: float, n: int, bytes_per_element: int = 4) ->
 def step_seconds(
     stage: str, psi: float, n: int, bandwidth: float, bytes_per_element: int = 2
 ) -> float:
-    """A model, not a measurement: the step's communication time, traffic / bandwidth (B/s)."""
+    """A model, not a measurement: the step's communication time, traffic / bandwidth (B/s).
+
+    2 bytes per element by default: the paper's fp16 gradients and parameters on the wire.
+    """
     return traffic_bytes(stage, psi, n, bytes_per_element) / bandwidth
 
 
