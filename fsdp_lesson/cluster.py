@@ -167,7 +167,7 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
         client = cluster.connect_client_sync(timeout=timeout)
     except Exception as err:
         if owned:
-            cluster.stop_cluster_sync()
+            stop_cluster(cluster)
         raise ClusterError(
             f"No answer from the controller of profile {profile!r} "
             f"({type(err).__name__}: {err}). Fix: {fix}"
@@ -180,7 +180,7 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
     except ClusterError:
         client.close()
         if owned:
-            cluster.stop_cluster_sync()
+            stop_cluster(cluster)
         raise
     ranks = Ranks(client, ids_by_rank, profile, timeout, cluster if owned else None)
     ranks.engine_logs = [es.output_file for es in cluster.engines.values()]
@@ -334,7 +334,7 @@ class Ranks:
         """Close the client; stop the cluster too if connect() started it."""
         self.client.close()
         if self.cluster is not None:
-            self.cluster.stop_cluster_sync()
+            stop_cluster(self.cluster)
             self.cluster = None
 
     def __enter__(self) -> Ranks:
@@ -374,6 +374,17 @@ class _ProgressLine:
             sys.stdout.write("\n")
 
 
+def stop_cluster(cluster: ipp.Cluster) -> None:
+    """Stop the engines and the controller, each even if the other fails (as when the engines
+    never started: ipyparallel's stop_cluster then skips the controller)."""
+    with contextlib.suppress(Exception):
+        cluster.stop_engines_sync()
+    with contextlib.suppress(Exception):
+        cluster.stop_controller_sync()
+    with contextlib.suppress(Exception):
+        cluster.stop_cluster_sync()  # and the cluster file
+
+
 def _stop_when_gone(pid: int, cluster_file: str) -> None:
     """Start a watchdog that stops the cluster once process `pid` ends, even if it is killed
     (atexit runs only on a clean exit; nbval and a kernel restart kill the kernel)."""
@@ -391,7 +402,7 @@ def _watchdog(pid: int, cluster_file: str) -> None:
     while psutil.pid_exists(pid) and os.path.exists(cluster_file):
         time.sleep(1)
     if os.path.exists(cluster_file):
-        ipp.Cluster.from_file(cluster_file, log=_log).stop_cluster_sync()
+        stop_cluster(ipp.Cluster.from_file(cluster_file, log=_log))
 
 
 def report_progress(step: int, loss: float) -> None:

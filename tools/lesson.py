@@ -30,6 +30,8 @@ def mpi_cluster(n: int = N_ENGINES):
     """Start `ipcluster --engines=MPI -n n` (profile default), yield, and always stop it."""
     import ipyparallel as ipp
 
+    from fsdp_lesson.cluster import stop_cluster
+
     # cluster_id "" is what `ipcluster start` uses: the notebooks' connect() finds this one
     cluster = ipp.Cluster(n=n, engines="mpi", profile="default", cluster_id="", log_level=40)
     print(f"starting a local cluster of {n} MPI engines ...", flush=True)
@@ -39,7 +41,7 @@ def mpi_cluster(n: int = N_ENGINES):
             client.wait_for_engines(n, timeout=START_TIMEOUT)
         yield cluster
     finally:
-        cluster.stop_cluster_sync()
+        stop_cluster(cluster)
         print("cluster stopped", flush=True)
 
 
