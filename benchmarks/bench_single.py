@@ -26,8 +26,10 @@ def main() -> None:
         config = TrainConfig(steps=args.steps, optimizer=optimizer, eval_batches=0, n_samples=0)
         history, _ = run(ModelConfig(), config, data=data)
         ms = np.array(history.step_seconds[100:]) * 1e3  # skip the warm-up
-        print(f"single {optimizer:4s}: median {np.median(ms):.3f} ms/step "
-              f"(p10 {np.percentile(ms, 10):.3f}, p90 {np.percentile(ms, 90):.3f}) over {len(ms)} steps")
+        print(
+            f"single {optimizer:4s}: median {np.median(ms):.3f} ms/step "
+            f"(p10 {np.percentile(ms, 10):.3f}, p90 {np.percentile(ms, 90):.3f}), {len(ms)} steps"
+        )
 
 
 if __name__ == "__main__":
