@@ -62,6 +62,7 @@ def test_make_run_executes_renders_and_reports_failures(tmp_path):
         )
     finally:
         broken.unlink()
+        (ROOT / "build" / "html" / f"{broken.stem}.html").unlink(missing_ok=True)
     assert result.returncode == 1
     assert "01_dataset.ipynb" in result.stdout and "executed OK" in result.stdout
     assert "FAILED" in result.stdout and "ZeroDivisionError" in result.stdout
