@@ -2,7 +2,7 @@
 
     python benchmarks/bench_single.py [--steps 3000]
 
-Target (issue 2): <= 0.25 ms/step on a 2-core machine (the C program: 0.78 ms/step).
+Target: <= 0.25 ms/step on a 2-core machine (the C program: 0.78 ms/step).
 A figure to read, not a test: tests never assert on wall-clock time.
 """
 

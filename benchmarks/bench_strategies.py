@@ -3,7 +3,7 @@
     python benchmarks/bench_strategies.py [--steps 2000] [--ranks 1 2 4] [--optimizer sgd]
 
 Communication time is what the ranks spent inside collectives (Comm's accounting); compute
-is the rest of the step. Targets on a 2-core machine (issues 3-5): dp N=2 <= 0.25 ms and
+is the rest of the step. Targets on a 2-core machine: dp N=2 <= 0.25 ms and
 N=4 <= 1.0 ms; zero3 N=2 <= 0.3 ms and N=4 <= 1.5 ms; zero1/zero2 within 1.3x of dp.
 A figure to read, not a test.
 """

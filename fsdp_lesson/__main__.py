@@ -1,4 +1,4 @@
-"""Command line: `python -m fsdp_lesson train|data ...`; train runs under mpiexec as well.
+"""Command line: `python -m fsdp_lesson train|bench|data ...`; train runs under mpiexec too.
 
 python -m fsdp_lesson train --strategy single --steps 1000
 mpiexec -n 4 python -m fsdp_lesson train --strategy dp --out runs/dp
@@ -70,25 +70,29 @@ def build_parser() -> Parser:
     parser = Parser(prog="python -m fsdp_lesson", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    train = commands.add_parser("train", help="train the MLP with a strategy (runs under mpiexec)")
-    train.add_argument("--strategy", choices=STRATEGIES, default="single")
-    train.add_argument("--steps", type=positive_int, default=TrainConfig.steps)
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    train = commands.add_parser(
+        "train",
+        help="train the MLP with a strategy (runs under mpiexec)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    train.add_argument("--strategy", choices=STRATEGIES, default="single", help="where bytes live")
+    train.add_argument("--steps", type=positive_int, default=TrainConfig.steps, help="steps")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimizer")
     train.add_argument(
         "--lr", type=positive_float, default=None, help="default: 0.1 sgd, 1e-3 adam"
     )
     train.add_argument(
         "--batch", type=positive_int, default=TrainConfig.batch_size, help="global batch"
     )
-    train.add_argument("--emb", type=positive_int, default=ModelConfig.emb_size)
-    train.add_argument("--hidden", type=positive_int, default=ModelConfig.hidden_size)
+    train.add_argument("--emb", type=positive_int, default=ModelConfig.emb_size, help="embedding")
+    train.add_argument("--hidden", type=positive_int, default=ModelConfig.hidden_size, help="width")
     train.add_argument(
         "--layers",
         type=positive_int,
         default=ModelConfig.n_layers,
         help="hidden Linear+ReLU blocks (1 is the seed's model)",
     )
-    train.add_argument("--seed", type=int, default=TrainConfig.seed)
+    train.add_argument("--seed", type=int, default=TrainConfig.seed, help="random seed")
     train.add_argument("--data", type=Path, default=DEFAULT_PATH, help="names file, one per line")
     train.add_argument(
         "--c-compat",
@@ -104,7 +108,9 @@ def build_parser() -> Parser:
     train.add_argument(
         "--samples", type=int, default=TrainConfig.n_samples, help="names to sample at the end"
     )
-    train.add_argument("--log-every", type=positive_int, default=TrainConfig.log_every)
+    train.add_argument(
+        "--log-every", type=positive_int, default=TrainConfig.log_every, help="print every K steps"
+    )
     train.add_argument(
         "--memory-budget-mb",
         type=positive_float,
@@ -140,6 +146,14 @@ def describe_problems(problems: list[str | None]) -> str:
         where = "" if len(ranks) == len(problems) else f" (on rank {', '.join(map(str, ranks))})"
         lines.append(f"error: {text}{where}")
     return "\n".join(lines)
+
+
+def checkpoint_in(path: Path | None) -> Path | None:
+    """--resume accepts the checkpoint itself or the --out directory that holds it."""
+    if path is not None and not (path / "manifest.json").exists():
+        if (path / "checkpoint" / "manifest.json").exists():
+            return path / "checkpoint"
+    return path
 
 
 def train_command(args) -> None:
@@ -186,7 +200,7 @@ def train_command(args) -> None:
             on_log=lambda step, loss: say(f"step: {step}, loss {loss:f}", flush=True),
             save_every=args.save_every,
             checkpoint_dir=None if args.out is None else args.out / "checkpoint",
-            resume=args.resume,
+            resume=checkpoint_in(args.resume),
             reshard=args.reshard,
         )
     except (MemoryBudgetError, CheckpointError) as err:

@@ -1,6 +1,6 @@
 """Comm: the collectives the lesson uses, over mpi4py's buffer interface, with accounting.
 
-Traffic is counted as the ring algorithm moves it (zero_formulas.md): for a full buffer of
+Traffic is counted as the ring algorithm moves it (docs/zero_formulas.md): for a full buffer of
 F bytes over N ranks each rank sends (N-1)/N * F for an allgather or a reduce-scatter and
 2(N-1)/N * F for an allreduce. A Comm built without an MPI communicator is one rank and
 needs no MPI at all.

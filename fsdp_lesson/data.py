@@ -1,6 +1,6 @@
 """names.txt -> tokens -> (context, next-token) rows, the 0.9 split, global batches, rank slices.
 
-Exactly the seed program's data pipeline (seed_semantics.md), vectorised with numpy.
+Exactly the seed program's data pipeline (docs/seed_semantics.md), vectorised with numpy.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ZeRO accounting as formulas: bytes per rank and traffic per step for any model and N.
 
 Two uses: plan a real model (7 B parameters on 64 GPUs, the paper's mixed precision), and
-predict, to the byte, what this package's MemoryLedger measures (zero_formulas.md).
+predict, to the byte, what this package's MemoryLedger measures (docs/zero_formulas.md).
 """
 
 from __future__ import annotations

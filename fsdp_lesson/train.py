@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import Comm
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import Dataset, GlobalBatchSampler, decode, rank_slice
@@ -216,6 +216,11 @@ def run(
     first_step = 0
     if resume is not None:
         first_step = load_checkpoint(resume, strategy, rng, *configs, reshard=reshard)
+        if first_step >= tc.steps:
+            raise CheckpointError(
+                f"the checkpoint is at step {first_step}, and this run stops at step {tc.steps}: "
+                f"ask for more steps (--steps) to train on from it"
+            )
         for series in (history.losses, history.local_losses, history.step_seconds):
             series[:first_step] = np.nan  # those steps ran before the checkpoint
 

@@ -149,6 +149,26 @@ def test_checkpoint_errors_at_the_cli(tmp_path):
         ["--strategy", "zero3", "--steps", "8", "--hidden", "32", "--resume", str(ckpt)]
     )
     assert other_model.returncode == 2 and "another model" in other_model.stderr
+    too_few = cli(["--strategy", "zero3", "--steps", "4", "--resume", str(out)])  # --out works too
+    assert too_few.returncode == 2
+    assert "the checkpoint is at step 4, and this run stops at step 4" in too_few.stderr
+    onward = cli(
+        [
+            "--strategy",
+            "zero3",
+            "--steps",
+            "6",
+            "--resume",
+            str(out),
+            "--eval-batches",
+            "0",
+            "--samples",
+            "0",
+            "--log-every",
+            "1",
+        ]
+    )
+    assert onward.returncode == 0 and onward.stdout.startswith("step: 4, loss")
     shard = next(ckpt.glob("rank*.npz"))
     shard.write_bytes(b"not a checkpoint")
     corrupted = cli(["--strategy", "zero3", "--steps", "8", "--resume", str(ckpt)])

@@ -82,7 +82,7 @@ def padded(size: int, n: int) -> int:
 
 
 def expected_state_bytes(strategy: str, model_config, n: int, optimizer: str) -> dict:
-    """zero_formulas.md, per rank, in bytes; Ψ_pad pads every layer to a multiple of N."""
+    """docs/zero_formulas.md, per rank, in bytes; Ψ_pad pads every layer to a multiple of N."""
     sizes = layer_sizes(model_config)
     psi, psi_pad = sum(sizes), sum(padded(s, n) for s in sizes)
     largest = max(padded(s, n) for s in sizes)

@@ -22,6 +22,7 @@ def execute(nb: nbformat.NotebookNode, folder: Path) -> None:
         kernel_name="python3",
         record_timing=False,
         resources={"metadata": {"path": str(folder)}},
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],  # no notice about TCP on stderr
     ).execute()
 
 
