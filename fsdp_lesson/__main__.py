@@ -205,6 +205,8 @@ def train_command(args) -> None:
         )
     except (MemoryBudgetError, CheckpointError) as err:
         raise UsageError(f"error: {err}" if comm.rank == 0 else "") from None
+    if np.isnan(history.losses).all():
+        say(f"nothing to train: the checkpoint is already at step {train_config.steps}")
     say(f"Final validation loss: {history.val_loss:f}")
     for line in history.samples:
         say(line)

@@ -216,9 +216,9 @@ def run(
     first_step = 0
     if resume is not None:
         first_step = load_checkpoint(resume, strategy, rng, *configs, reshard=reshard)
-        if first_step >= tc.steps:
+        if first_step > tc.steps:  # equal is fine: nothing to train, evaluate and sample
             raise CheckpointError(
-                f"the checkpoint is at step {first_step}, and this run stops at step {tc.steps}: "
+                f"the checkpoint is at step {first_step}, past this run's last step {tc.steps}: "
                 f"ask for more steps (--steps) to train on from it"
             )
         for series in (history.losses, history.local_losses, history.step_seconds):

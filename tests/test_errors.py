@@ -149,9 +149,14 @@ def test_checkpoint_errors_at_the_cli(tmp_path):
         ["--strategy", "zero3", "--steps", "8", "--hidden", "32", "--resume", str(ckpt)]
     )
     assert other_model.returncode == 2 and "another model" in other_model.stderr
-    too_few = cli(["--strategy", "zero3", "--steps", "4", "--resume", str(out)])  # --out works too
+    too_few = cli(["--strategy", "zero3", "--steps", "3", "--resume", str(out)])  # --out works too
     assert too_few.returncode == 2
-    assert "the checkpoint is at step 4, and this run stops at step 4" in too_few.stderr
+    assert "the checkpoint is at step 4, past this run's last step 3" in too_few.stderr
+    done = cli(["--strategy", "zero3", "--steps", "4", "--resume", str(out), "--samples", "0"])
+    assert (
+        done.returncode == 0
+        and "nothing to train: the checkpoint is already at step 4" in done.stdout
+    )
     onward = cli(
         [
             "--strategy",
