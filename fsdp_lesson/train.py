@@ -6,7 +6,6 @@ the same for all of them (DESIGN.md, "the one idea the code is built around").
 
 from __future__ import annotations
 
-import json
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -151,9 +150,6 @@ class History:
 
     def to_dict(self) -> dict:
         return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(self).items()}
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
 
 class ReplicaMismatch(RuntimeError):
