@@ -344,3 +344,29 @@ def test_padding_stays_zero(world):
     n, results = world
     for name, r in results.items():
         assert all(report["padding_is_zero"] for report in r["per_rank"]), f"{name} N={n}"
+
+
+def test_each_strategy_shards_what_it_declares(world):
+    """shards_params / shards_grads / shards_optimizer (DESIGN.md's table) match the ledger."""
+    from fsdp_lesson.strategies import STRATEGY_CLASSES
+
+    n, results = world
+    if n == 1:
+        return  # one rank: a shard is the whole
+    table = {
+        "dp": (False, False, False),
+        "zero1": (False, False, True),
+        "zero2": (False, True, True),
+        "zero3": (True, True, True),
+    }
+    for name, r in results.items():
+        tc, sizes = r["train_config"], layer_sizes(r["model_config"])
+        cls = STRATEGY_CLASSES[tc.strategy]
+        declared = (cls.shards_params, cls.shards_grads, cls.shards_optimizer)
+        assert declared == table[tc.strategy]
+        shard = 4 * sum(padded(s, n) for s in sizes) // n
+        peak = r["per_rank"][0]["memory"]["peak"]
+        assert (peak["params"] == shard) == cls.shards_params, name
+        assert (peak["grads"] == shard) == cls.shards_grads, name
+        if tc.optimizer == "adam":
+            assert (peak["optimizer"] == 2 * shard) == cls.shards_optimizer, name
