@@ -23,7 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     data = Dataset.load()
     for optimizer in ("sgd", "adam"):
-        config = TrainConfig(steps=args.steps, optimizer=optimizer, eval_batches=0, n_samples=0)
+        config = TrainConfig(steps=args.steps, optimizer=optimizer, eval_batches=0, samples=0)
         history, _ = run(ModelConfig(), config, data=data)
         ms = np.array(history.step_seconds[100:]) * 1e3  # skip the warm-up
         print(

@@ -1,7 +1,7 @@
 """Command line: `python -m fsdp_lesson train|bench|data ...`; train runs under mpiexec too.
 
 python -m fsdp_lesson train --strategy single --steps 1000
-mpiexec -n 4 python -m fsdp_lesson train --strategy dp --out runs/dp
+mpiexec -n 4 python -m fsdp_lesson train --strategy dp --steps 1000 --out runs/dp
 python -m fsdp_lesson data build
 """
 
@@ -13,12 +13,19 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # a Python without the project's packages, e.g. outside .venv
+    sys.exit(
+        f"error: {sys.executable} lacks the project's packages (numpy, mpi4py, ...): activate "
+        f"the project's environment first (. .venv/bin/activate), or run make run / make test"
+    )
 
 from .checkpoint import CheckpointError
-from .config import OPTIMIZERS, STRATEGIES, ConfigError, ModelConfig, TrainConfig
-from .data import DEFAULT_PATH, NAMES_SHA256, DataError, Dataset, build_names_file
+from .config import OPTIMIZERS, ConfigError, ModelConfig, RunConfig, TrainConfig
+from .data import DEFAULT_PATH, NAMES_SHA256, DataError, build_names_file, sha256_of
 from .memory import MemoryBudgetError
+from .sharding import STRATEGIES
 
 
 class UsageError(Exception):
@@ -41,6 +48,15 @@ def launcher_rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows a flag's default only where it has one worth saying."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see --help)")
@@ -56,6 +72,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -66,6 +92,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+STRATEGY_HELP = (
+    "where the bytes live: single (one rank, everything), dp (every rank a full replica, "
+    "gradients allreduced), zero1 (optimizer state sharded), zero2 (+ gradients sharded), "
+    "zero3 (+ parameters sharded: gathered layer by layer)"
+)
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="python -m fsdp_lesson", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -73,26 +106,37 @@ def build_parser() -> Parser:
     train = commands.add_parser(
         "train",
         help="train the MLP with a strategy (runs under mpiexec)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train the names MLP; under mpiexec -n N every rank runs this command.",
+        formatter_class=HelpFormatter,
     )
-    train.add_argument("--strategy", choices=STRATEGIES, default="single", help="where bytes live")
-    train.add_argument("--steps", type=positive_int, default=TrainConfig.steps, help="steps")
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="optimizer")
+    d = TrainConfig()
+    train.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help=STRATEGY_HELP)
     train.add_argument(
-        "--lr", type=positive_float, default=None, help="default: 0.1 sgd, 1e-3 adam"
+        "--steps",
+        type=nonnegative_int,
+        default=d.steps,
+        help="optimizer steps (0: initialise, evaluate, sample, exit)",
+    )
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="the update")
+    train.add_argument(
+        "--lr",
+        type=positive_float,
+        default=argparse.SUPPRESS,
+        help="learning rate (default: 0.1 for sgd, the seed's; 1e-3 for adam)",
     )
     train.add_argument(
-        "--batch", type=positive_int, default=TrainConfig.batch_size, help="global batch"
+        "--batch", type=positive_int, default=d.batch, help="global batch, split over the ranks"
     )
-    train.add_argument("--emb", type=positive_int, default=ModelConfig.emb_size, help="embedding")
-    train.add_argument("--hidden", type=positive_int, default=ModelConfig.hidden_size, help="width")
+    m = ModelConfig()
+    train.add_argument("--emb", type=positive_int, default=m.emb, help="embedding width")
+    train.add_argument("--hidden", type=positive_int, default=m.hidden, help="hidden width")
     train.add_argument(
         "--layers",
         type=positive_int,
-        default=ModelConfig.n_layers,
+        default=m.layers,
         help="hidden Linear+ReLU blocks (1 is the seed's model)",
     )
-    train.add_argument("--seed", type=int, default=TrainConfig.seed, help="random seed")
+    train.add_argument("--seed", type=int, default=d.seed, help="random seed")
     train.add_argument("--data", type=Path, default=DEFAULT_PATH, help="names file, one per line")
     train.add_argument(
         "--c-compat",
@@ -101,51 +145,59 @@ def build_parser() -> Parser:
     )
     train.add_argument(
         "--eval-batches",
-        type=int,
-        default=TrainConfig.eval_batches,
-        help="test batches for the final validation loss",
+        type=nonnegative_int,
+        default=d.eval_batches,
+        help="test batches for the final validation loss (0: no validation)",
     )
     train.add_argument(
-        "--samples", type=int, default=TrainConfig.n_samples, help="names to sample at the end"
+        "--samples", type=nonnegative_int, default=d.samples, help="names to sample at the end"
     )
     train.add_argument(
-        "--log-every", type=positive_int, default=TrainConfig.log_every, help="print every K steps"
+        "--log-every", type=positive_int, default=d.log_every, help="print the loss every K steps"
     )
     train.add_argument(
         "--memory-budget-mb",
         type=positive_float,
         default=None,
-        help="per-rank budget: the memory ledger refuses to allocate beyond it",
+        help="per-rank budget in MiB: a run that would need more is refused",
     )
     train.add_argument(
         "--save-every",
         type=positive_int,
         default=None,
-        help="save a sharded checkpoint to OUT/checkpoint every K steps",
+        help="save a sharded checkpoint to OUT/checkpoint every K steps (and at the end)",
     )
-    train.add_argument("--resume", type=Path, default=None, help="continue from a checkpoint")
+    train.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="continue from a checkpoint (its directory, or the --out that holds it)",
+    )
     train.add_argument(
         "--reshard",
         action="store_true",
-        help="allow resuming a checkpoint of another strategy or rank count",
+        help="allow resuming a checkpoint saved by another strategy or rank count",
     )
-    train.add_argument("--out", type=Path, default=None, help="write history.json and params.npz")
+    train.add_argument(
+        "--out", type=Path, default=None, help="write history.json and params.npz here"
+    )
 
-    commands.add_parser("bench", help="the memory/traffic/time sweep (see bench --help)")
-    data = commands.add_parser("data", help="build or check data/names.txt")
-    data.add_argument("action", choices=["build", "check"])
-    data.add_argument("--path", type=Path, default=DEFAULT_PATH)
+    commands.add_parser(
+        "bench",
+        help="measure memory, traffic and time: strategy x ranks x model (see bench --help)",
+        add_help=False,
+    )
+    data = commands.add_parser(
+        "data",
+        help="build or check the names file",
+        description="build: write the names file from US Social Security data (needs the "
+        "data extra); check: compare a names file with the lesson's checksum.",
+    )
+    data.add_argument("action", choices=["build", "check"], help="build or check")
+    data.add_argument(
+        "--path", type=Path, default=DEFAULT_PATH, help="the names file (default: %(default)s)"
+    )
     return parser
-
-
-def describe_problems(problems: list[str | None]) -> str:
-    """One 'error:' line per distinct problem; names the ranks when not all ranks share it."""
-    lines = []
-    for text in dict.fromkeys(p for p in problems if p is not None):
-        ranks = [r for r, p in enumerate(problems) if p == text]
-        where = "" if len(ranks) == len(problems) else f" (on rank {', '.join(map(str, ranks))})"
-        lines.append(f"error: {text}{where}")
-    return "\n".join(lines)
 
 
 def checkpoint_in(path: Path | None) -> Path | None:
@@ -156,58 +208,59 @@ def checkpoint_in(path: Path | None) -> Path | None:
     return path
 
 
-def train_command(args) -> None:
-    from .comm import Comm
-    from .train import run
-
-    model_config = ModelConfig(emb_size=args.emb, hidden_size=args.hidden, n_layers=args.layers)
+def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
+    """The three configs of a run from the flags (each flag is the field of the same name)."""
+    model_config = ModelConfig(emb=args.emb, hidden=args.hidden, layers=args.layers)
     train_config = TrainConfig(
         strategy=args.strategy,
         optimizer=args.optimizer,
-        lr=args.lr,
+        lr=getattr(args, "lr", None),
         steps=args.steps,
-        batch_size=args.batch,
+        batch=args.batch,
         memory_budget_mb=args.memory_budget_mb,
         eval_batches=args.eval_batches,
-        n_samples=args.samples,
+        samples=args.samples,
         seed=args.seed,
         c_compat=args.c_compat,
         log_every=args.log_every,
     )
+    run_config = RunConfig(
+        data=args.data,
+        checkpoint_dir=None if args.out is None else args.out / "checkpoint",
+        save_every=args.save_every,
+        resume=checkpoint_in(args.resume),
+        reshard=args.reshard,
+    )
+    return model_config, train_config, run_config
+
+
+def train_command(args) -> None:
+    from .comm import Comm
+    from .train import run
+
+    model_config, train_config, run_config = configs_from(args)
     launched_alone = launcher_rank_and_size()[1] == 1
     comm = Comm() if args.strategy == "single" and launched_alone else Comm.world()
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    problem = None
-    try:
-        if args.save_every and args.out is None:
-            raise ConfigError("--save-every needs --out DIR: checkpoints go to DIR/checkpoint")
-        train_config.validate(comm.size)
-        model_config.validate()
-        data = Dataset.load(args.data, seq_len=model_config.seq_len)
-    except (ConfigError, DataError) as err:
-        problem = str(err)
-    # Agree before any other collective: if one rank cannot start, no rank starts (no hang).
-    problems = comm.gather_objects(problem)
-    if not comm.all_agree(problem is None):
-        raise UsageError(describe_problems(problems) if comm.rank == 0 else "")
-
-    try:  # every rank allocates the same bytes in the same order, so all refuse together
+    try:  # run() agrees on every refusal, so all ranks raise it together: no hang
         history, strategy = run(
             model_config,
             train_config,
+            run_config,
             comm,
-            data,
             on_log=lambda step, loss: say(f"step: {step}, loss {loss:f}", flush=True),
-            save_every=args.save_every,
-            checkpoint_dir=None if args.out is None else args.out / "checkpoint",
-            resume=checkpoint_in(args.resume),
-            reshard=args.reshard,
         )
-    except (MemoryBudgetError, CheckpointError) as err:
-        raise UsageError(f"error: {err}" if comm.rank == 0 else "") from None
-    if np.isnan(history.losses).all():
-        say(f"nothing to train: the checkpoint is already at step {train_config.steps}")
-    say(f"Final validation loss: {history.val_loss:f}")
+    except (ConfigError, DataError, MemoryBudgetError, CheckpointError) as err:
+        raise UsageError("\n".join(f"error: {line}" for line in str(err).splitlines())) from None
+    if run_config.resume is not None:
+        first = int(np.isnan(history.losses).sum())
+        say(f"resumed from {run_config.resume} at step {first} ({strategy.name} on {comm.size})")
+        if first == train_config.steps:
+            say(f"nothing to train: the checkpoint is already at step {train_config.steps}")
+    if history.val_loss is None:
+        say("no validation (--eval-batches 0)")
+    else:
+        say(f"Final validation loss: {history.val_loss:f}")
     for line in history.samples:
         say(line)
 
@@ -219,7 +272,7 @@ def train_command(args) -> None:
             "memory": [r["memory"] for r in per_rank],
             "traffic": [r["traffic"] for r in per_rank],
         }
-        (args.out / "history.json").write_text(json.dumps(record, indent=1))
+        (args.out / "history.json").write_text(json.dumps(record, indent=1, allow_nan=False))
         np.savez(
             args.out / "params.npz",
             **{f"{layer}.{k}": v for layer, p in params.items() for k, v in p.items()},
@@ -230,9 +283,8 @@ def train_command(args) -> None:
 def data_command(args) -> int:
     if args.action == "build":
         digest = build_names_file(args.path)
+        print(f"rebuilt {args.path} from the SSA baby names")
     else:
-        from .data import sha256_of
-
         digest = sha256_of(args.path)
     status = "matches" if digest == NAMES_SHA256 else "DIFFERS from"
     print(f"{args.path}: sha256 {digest} ({status} the lesson's {NAMES_SHA256[:12]}...)")

@@ -22,12 +22,13 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+from .plan import STAGES as STRATEGIES  # the strategies one runs on N ranks
+
 # name -> (ModelConfig fields, steps): 18,635, 0.93 M and 30.0 M parameters.
 MODELS = {
     "seed": ({}, 300),
-    "medium": ({"hidden_size": 512, "n_layers": 4}, 20),
-    "large": ({"hidden_size": 2048, "n_layers": 8}, 4),
+    "medium": ({"hidden": 512, "layers": 4}, 20),
+    "large": ({"hidden": 2048, "layers": 8}, 4),
 }
 QUICK = {"ranks": [1, 2, 4], "models": ["seed", "medium"]}
 FULL = {"ranks": [1, 2, 4, 8], "models": ["seed", "medium", "large"]}
@@ -36,18 +37,20 @@ FULL = {"ranks": [1, 2, 4, 8], "models": ["seed", "medium", "large"]}
 def measure(model_name: str, strategy: str, optimizer: str = "adam") -> dict | None:
     """Train one configuration on this MPI job; rank 0 gets every rank's figures."""
     from .comm import Comm
-    from .config import ModelConfig, TrainConfig
+    from .config import ModelConfig, RunConfig, TrainConfig
     from .train import run
 
     fields, steps = MODELS[model_name]
     comm = Comm.world()
     config = TrainConfig(
-        strategy=strategy, optimizer=optimizer, steps=steps, eval_batches=0, n_samples=0
+        strategy=strategy, optimizer=optimizer, steps=steps, eval_batches=0, samples=0
     )
     # memory from 2 steps under tracemalloc (which slows Python down); time from a clean run
-    traced, _ = run(ModelConfig(**fields), replace(config, steps=2), comm, trace_memory=True)
+    traced, _ = run(
+        ModelConfig(**fields), replace(config, steps=2), RunConfig(trace_memory=True), comm
+    )
     comm = Comm.world()
-    history, _ = run(ModelConfig(**fields), config, comm)
+    history, _ = run(ModelConfig(**fields), config, comm=comm)
     mine = {
         "memory": traced.memory,
         "rss_bytes": psutil.Process().memory_info().rss,  # the whole process: a ceiling
@@ -107,6 +110,23 @@ def sweep(ranks: list[int], models: list[str], timeout: float = 1800) -> list[di
     return records
 
 
+def summary(records: list[dict]) -> str:
+    """One line per run: rank 0's peak memory, traffic per step, ms per step (comm part)."""
+    lines = [
+        f"{'model':7s} {'N':>2s} {'strategy':8s} {'peak kB':>10s} {'sent kB/step':>13s}"
+        f" {'ms/step':>8s} {'in comm':>8s}   (rank 0; traffic counted, time measured)"
+    ]
+    for r in records:
+        rank0 = r["per_rank"][0]
+        lines.append(
+            f"{r['model']:7s} {r['ranks']:2d} {r['strategy']:8s}"
+            f" {rank0['memory']['peak_total'] / 1e3:10,.1f}"
+            f" {sum(rank0['traffic_per_step'].values()) / 1e3:13,.1f}"
+            f" {rank0['ms_per_step']:8.3f} {rank0['comm_ms_per_step']:8.3f}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_lesson bench", description=__doc__.splitlines()[0]
@@ -122,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     records = sweep(plan["ranks"], plan["models"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1))
+    print(summary(records))
     print(f"wrote {len(records)} runs to {args.out}")
     return 0
 

@@ -6,14 +6,14 @@
 Whatever the strategy, a rank saves the slice [r*S, (r+1)*S) of every layer's padded flat
 vector (FlatParam with N shards), so a checkpoint looks the same whether dp or zero3 wrote
 it. Loading at another N or into another strategy ("resharding") rebuilds each layer's full
-vector from the old shards and hands every strategy what it keeps. Writes go to a
+vector from the old shards and hands it to the strategy's load_state, which keeps what the
+sharding table says it keeps. Writes go to a
 temporary directory renamed into place at the end: an interrupted save never leaves a
 checkpoint that loads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .flat import FlatParam
+from .data import sha256_of
 from .rng import Rng
 from .strategies import Strategy
 
-FORMAT = 1
+FORMAT = 2
 # TrainConfig fields a resumed run may change; everything else must match the checkpoint.
-MAY_CHANGE = {"strategy", "steps", "log_every", "eval_batches", "n_samples", "memory_budget_mb"}
+MAY_CHANGE = {"strategy", "steps", "log_every", "eval_batches", "samples", "memory_budget_mb"}
 
 
 class CheckpointError(ValueError):
@@ -38,35 +38,16 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}-of-{world_size:05d}.npz"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _padded(flat: np.ndarray, layout: FlatParam) -> np.ndarray:
-    """A layer's vector (unpadded or padded) as the padded vector of `layout`."""
-    out = np.zeros(layout.padded_numel, dtype=np.float32)
-    out[: layout.numel] = flat[: layout.numel]
-    return out
-
-
 def owned_shards(strategy: Strategy) -> dict[str, np.ndarray]:
-    """This rank's slice of every layer's params and optimizer state, in the N-way layout."""
-    comm, arrays = strategy.comm, {}
-    for layer in strategy.model.layers:
-        name, layout = layer.name, FlatParam(layer.shapes, comm.size)
-        params = strategy.params[name]
-        arrays[f"{name}.params"] = (
-            params
-            if strategy.shards_params
-            else layout.owned_shard(_padded(params, layout), comm.rank)
-        )
-        for key, value in strategy.opt_state[name].items():
-            if isinstance(value, np.ndarray):
-                arrays[f"{name}.{key}"] = (
-                    value
-                    if strategy.shards_optimizer
-                    else layout.owned_shard(_padded(value, layout), comm.rank)
-                )
+    """This rank's slice [r*S, (r+1)*S) of every state array's padded flat vector.
+
+    A sharded array is that slice already; of a whole one, this rank saves its slice.
+    """
+    rank, arrays = strategy.comm.rank, {}
+    for key, entry in strategy.local_state().items():
+        flat = strategy.layout[entry.layer]
+        whole = not entry.sharded
+        arrays[key] = flat.owned_shard(flat.padded(entry.array), rank) if whole else entry.array
     return arrays
 
 
@@ -92,7 +73,7 @@ def save_checkpoint(
     with open(path.with_suffix(".tmp"), "wb") as f:
         np.savez(f, **owned_shards(strategy))
     os.replace(path.with_suffix(".tmp"), path)
-    digests = comm.gather_objects((path.name, _sha256(path)))
+    digests = comm.gather_objects((path.name, sha256_of(path)))
     if comm.rank == 0:
         manifest = {
             "format": FORMAT,
@@ -101,7 +82,7 @@ def save_checkpoint(
             "step": step,
             "model_config": model_config,
             "train_config": train_config,
-            "optimizer_steps": {n: s.get("t", 0) for n, s in strategy.opt_state.items()},
+            "optimizer_steps": strategy.optimizer.t,
             "layers": {
                 layer.name: {k: list(v) for k, v in layer.shapes.items()}
                 for layer in strategy.model.layers
@@ -129,7 +110,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is corrupted ({err}); save the checkpoint again") from None
     for name, digest in manifest["files"].items():
-        if not (directory / name).is_file() or _sha256(directory / name) != digest:
+        if not (directory / name).is_file() or sha256_of(directory / name) != digest:
             raise CheckpointError(
                 f"{directory / name} is missing or corrupted (sha256 differs from the manifest); "
                 f"this checkpoint cannot be loaded: resume from another one or start afresh"
@@ -165,6 +146,11 @@ def check_compatible(
             f"ranks, this run is {strategy.name} on {strategy.comm.size}: pass --reshard to "
             f"convert it"
         )
+    if manifest["step"] > train_config["steps"]:  # equal is fine: evaluate and sample
+        raise CheckpointError(
+            f"the checkpoint is at step {manifest['step']}, past this run's last step "
+            f"{train_config['steps']}: ask for more steps (--steps) to train on from it"
+        )
 
 
 def load_checkpoint(
@@ -177,27 +163,15 @@ def load_checkpoint(
 ) -> int:
     """Load params, optimizer state and RNG into this run; return the step to continue from.
 
-    Every rank reads every shard file and rebuilds each layer's full vector (so any N can
-    load any N), then keeps what its strategy keeps.
+    Every rank reads every shard file and rebuilds each array's whole vector (so any N can
+    load any N); the strategy keeps what it keeps.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_compatible(manifest, strategy, model_config, train_config, reshard)
     saved_n = manifest["world_size"]
     shards = [np.load(directory / rank_file(r, saved_n)) for r in range(saved_n)]
-    comm = strategy.comm
-    for layer in strategy.model.layers:
-        name = layer.name
-        layout, saved = FlatParam(layer.shapes, comm.size), FlatParam(layer.shapes, saved_n)
-        for key in ["params"] + [k for k in strategy.opt_state[name] if k != "t"]:
-            full = np.concatenate([s[f"{name}.{key}"] for s in shards])[: saved.numel]
-            target = strategy.params[name] if key == "params" else strategy.opt_state[name][key]
-            sharded = strategy.shards_params if key == "params" else strategy.shards_optimizer
-            if sharded:
-                target[...] = layout.owned_shard(_padded(full, layout), comm.rank)
-            else:
-                target[: layout.numel] = full
-        if "t" in strategy.opt_state[name]:
-            strategy.opt_state[name]["t"] = manifest["optimizer_steps"][name]
+    vectors = {key: np.concatenate([s[key] for s in shards]) for key in strategy.local_state()}
+    strategy.load_state(vectors, manifest["optimizer_steps"])
     rng.set_state(manifest["rng"])
     return manifest["step"]

@@ -405,6 +405,21 @@ def _watchdog(pid: int, cluster_file: str) -> None:
         stop_cluster(ipp.Cluster.from_file(cluster_file, log=_log))
 
 
+def run_on_engine(model_config, train_config, run_config=None) -> dict:
+    """What a notebook runs on every engine (Ranks.run): train on MPI.COMM_WORLD.
+
+    Returns this rank's History as a dict, plus "params", the full parameters gathered
+    (identical on every rank). Rank 0 feeds the notebook's progress line.
+    """
+    from .comm import Comm
+    from .train import run
+
+    history, strategy = run(
+        model_config, train_config, run_config, Comm.world(), on_log=report_progress
+    )
+    return history.to_dict() | {"params": strategy.full_params(), "rank": strategy.comm.rank}
+
+
 def report_progress(step: int, loss: float) -> None:
     """On an engine, send (step, loss) to run()'s progress line; elsewhere, do nothing."""
     kernel = sys.modules.get("ipyparallel.engine.kernel")  # imported only inside an engine

@@ -135,6 +135,10 @@ class Comm:
         self.mpi.Allgather(digest, digests)
         return bool((digests == digests[0]).all())
 
+    def allgather_objects(self, obj) -> list:
+        """Every rank's obj as a list, on every rank; pickled, so only for rare small things."""
+        return [obj] if self.mpi is None else self.mpi.allgather(obj)
+
     def gather_objects(self, obj) -> list | None:
         """Every rank's obj as a list on rank 0 (None elsewhere); pickled, so once per run only."""
         return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)

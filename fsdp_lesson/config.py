@@ -1,89 +1,131 @@
-"""ModelConfig and TrainConfig: the defaults are the seed program's numbers."""
+"""The three configs of a run; ModelConfig's and TrainConfig's defaults are the seed's numbers.
+
+    ModelConfig   the network: vocabulary, context, widths, depth
+    TrainConfig   how to train it: strategy, optimizer, steps, batch, seed (all a checkpoint keeps)
+    RunConfig     where a run reads and writes, and what it records beside training
+
+Field names are the command line's flags (`--batch` is `batch`, `--hidden` is `hidden`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-STRATEGIES = ("single", "dp", "zero1", "zero2", "zero3")
+from .sharding import STRATEGIES
+
 OPTIMIZERS = ("sgd", "adam")
+DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the seed's rate
 
 
 class ConfigError(ValueError):
     """A configuration that cannot train; the message says what to change."""
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The character-level MLP: embedding -> n_layers x (Linear, ReLU) -> Linear -> softmax."""
+    """The character-level MLP: embedding -> layers x (Linear, ReLU) -> Linear -> softmax."""
 
     vocab_size: int = 27  # token 0 is '.', the boundary; a-z are 1-26
     seq_len: int = 16  # context length
-    emb_size: int = 16
-    hidden_size: int = 64
-    n_layers: int = 1  # hidden Linear+ReLU blocks; 1 is the seed's model
+    emb: int = 16  # embedding width
+    hidden: int = 64  # width of every hidden layer
+    layers: int = 1  # hidden Linear+ReLU blocks; 1 is the seed's model
 
     def validate(self) -> None:
-        for name in ("vocab_size", "seq_len", "emb_size", "hidden_size", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name, value in asdict(self).items():
+            _require(
+                isinstance(value, int) and value >= 1,
+                f"{name} must be a positive integer, got {value!r}",
+            )
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train: strategy, optimizer, steps, batch, seed; defaults as in train_fsdp.c."""
+    """How to train: strategy, optimizer, steps, global batch, seed; defaults as in train_fsdp.c."""
 
     strategy: str = "single"
     optimizer: str = "sgd"
-    lr: float | None = None  # None: 0.1 for SGD (the seed), 1e-3 for Adam
+    lr: float | None = None  # None: the optimizer's default (DEFAULT_LR), filled in at creation
     steps: int = 25_000
-    batch_size: int = 32  # the global batch, split over ranks
+    batch: int = 32  # the global batch, split over ranks
     seed: int = 42
     c_compat: bool = False  # glibc rand() and the seed's init/data/sampling order
-    eval_batches: int = 100
-    n_samples: int = 10
+    eval_batches: int = 100  # test batches for the final validation loss (0: none)
+    samples: int = 10  # names sampled at the end
     log_every: int = 100
-    memory_budget_mb: float | None = None  # per rank; the ledger refuses allocations beyond it
+    memory_budget_mb: float | None = None  # per rank; a run predicted to need more is refused
 
-    @property
-    def learning_rate(self) -> float:
-        if self.lr is not None:
-            return self.lr
-        return 0.1 if self.optimizer == "sgd" else 1e-3
+    def __post_init__(self) -> None:
+        if self.lr is None and self.optimizer in DEFAULT_LR:
+            object.__setattr__(self, "lr", DEFAULT_LR[self.optimizer])
 
     def validate(self, world_size: int = 1) -> None:
-        """Raise ConfigError before any work (and so before any collective) on every rank."""
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(
-                f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}"
-            )
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}: choose sgd or adam")
-        if self.steps < 1:
-            raise ConfigError(f"steps must be at least 1, got {self.steps}")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"lr must be positive, got {self.learning_rate}")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch size must be positive, got {self.batch_size}")
-        if self.memory_budget_mb is not None and not self.memory_budget_mb > 0:
-            raise ConfigError(f"memory budget must be positive, got {self.memory_budget_mb} MB")
-        if self.eval_batches < 0 or self.n_samples < 0 or self.log_every < 1:
-            raise ConfigError("eval_batches and n_samples must be >= 0 and log_every >= 1")
-        if self.strategy == "single" and world_size != 1:
-            raise ConfigError(
-                f"strategy 'single' runs on one rank, but this run has {world_size}: "
-                "use --strategy dp (or zero1/zero2/zero3), or run without mpiexec"
-            )
-        if world_size > self.batch_size:
-            raise ConfigError(
-                f"{world_size} ranks but a global batch of {self.batch_size}: every rank needs "
-                f"at least one sample; use --batch {world_size} or more, or fewer ranks"
-            )
-        if self.batch_size % world_size:
-            raise ConfigError(
-                f"global batch {self.batch_size} is not divisible by {world_size} ranks: "
-                f"use a batch that is a multiple of {world_size} (e.g. --batch "
-                f"{world_size * max(1, round(self.batch_size / world_size))}) or another rank count"
-            )
+        """Raise ConfigError before any work (and so before any collective)."""
+        _require(
+            self.strategy in STRATEGIES,
+            f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}",
+        )
+        _require(
+            self.optimizer in OPTIMIZERS,
+            f"unknown optimizer {self.optimizer!r}: choose sgd or adam",
+        )
+        _require(self.steps >= 0, f"steps must be 0 or more, got {self.steps}")
+        _require(self.lr is not None and self.lr > 0, f"lr must be positive, got {self.lr}")
+        _require(self.batch >= 1, f"batch must be positive, got {self.batch}")
+        _require(
+            self.memory_budget_mb is None or self.memory_budget_mb > 0,
+            f"memory budget must be positive, got {self.memory_budget_mb} MB",
+        )
+        _require(
+            self.eval_batches >= 0 and self.samples >= 0 and self.log_every >= 1,
+            "eval_batches and samples must be >= 0 and log_every >= 1",
+        )
+        _require(
+            self.strategy != "single" or world_size == 1,
+            f"strategy 'single' runs on one rank, but this run has {world_size}: "
+            "use --strategy dp (or zero1/zero2/zero3), or run without mpiexec",
+        )
+        _require(
+            world_size <= self.batch,
+            f"{world_size} ranks but a global batch of {self.batch}: every rank needs "
+            f"at least one sample; use --batch {world_size} or more, or fewer ranks",
+        )
+        _require(
+            self.batch % world_size == 0,
+            f"global batch {self.batch} is not divisible by {world_size} ranks: "
+            f"use a batch that is a multiple of {world_size} (e.g. --batch "
+            f"{world_size * max(1, round(self.batch / world_size))}) or another rank count",
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Where a run reads and writes, and what it records; none of it changes the numbers."""
+
+    data: Path | None = None  # the names file; None: the lesson's data/names.txt
+    checkpoint_dir: Path | None = None  # where sharded checkpoints go
+    save_every: int | None = None  # save every so many steps (and at the end)
+    resume: Path | None = None  # continue from this checkpoint
+    reshard: bool = False  # allow resuming a checkpoint of another strategy or N
+    trace_memory: bool = False  # also measure the peak with tracemalloc (slower)
+    timeline_step: int | None = None  # record the ledger's every change during this step
+
+    def validate(self) -> None:
+        _require(
+            self.save_every is None or self.save_every >= 1,
+            f"save_every must be a positive integer, got {self.save_every}",
+        )
+        _require(
+            not self.save_every or self.checkpoint_dir is not None,
+            "saving checkpoints needs a directory: --save-every needs --out DIR "
+            "(checkpoints go to DIR/checkpoint)",
+        )

@@ -20,7 +20,6 @@ class FlatParam:
         self.shapes = dict(shapes)
         self.sizes = {name: int(np.prod(shape)) for name, shape in self.shapes.items()}
         self.numel = sum(self.sizes.values())
-        self.world_size = world_size
         self.shard_size = -(-self.numel // world_size)  # ceil(numel / N)
         self.padded_numel = self.shard_size * world_size
         self.padding = self.padded_numel - self.numel
@@ -33,11 +32,31 @@ class FlatParam:
             offset += self.sizes[name]
         return out
 
-    def flatten(self, arrays: dict[str, np.ndarray], out: np.ndarray) -> np.ndarray:
-        """Copy shaped parameters into a full flat buffer; the padding is set to zero."""
+    def flatten(self, arrays: dict[str, np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+        """Copy shaped parameters into a full flat buffer (new if out is None), padding zeroed."""
+        if out is None:
+            out = np.empty(self.padded_numel, dtype=np.float32)
         for name, view in self.views(out).items():
             view[...] = arrays[name]
         out[self.numel :] = 0
+        return out
+
+    def copy_shard(self, arrays: dict[str, np.ndarray], rank: int, out: np.ndarray) -> np.ndarray:
+        """Copy rank's shard of the flat vector straight from shaped arrays: no full vector."""
+        start, stop = self.shard_range(rank)
+        out[...] = 0  # the padding
+        offset = 0
+        for name, size in self.sizes.items():
+            lo, hi = max(start, offset), min(stop, offset + size)  # the overlap with this array
+            if lo < hi:
+                out[lo - start : hi - start] = arrays[name].reshape(-1)[lo - offset : hi - offset]
+            offset += size
+        return out
+
+    def padded(self, vector: np.ndarray) -> np.ndarray:
+        """A layer's whole vector (padded or not) as a new padded float32 vector."""
+        out = np.zeros(self.padded_numel, dtype=np.float32)
+        out[: self.numel] = vector[: self.numel]
         return out
 
     def shard_range(self, rank: int) -> tuple[int, int]:

@@ -24,7 +24,8 @@ class MemoryLedger:
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
         self.held: dict[str, tuple[str, int]] = {}  # label -> (category, bytes)
-        self.timeline: list[tuple[str, int]] | None = None  # (event, live total) when recording
+        # when recording: (event, live total) at every hold, free and mark
+        self.timeline: list[tuple[str, int]] | None = None
 
     @property
     def live_total(self) -> int:
@@ -50,16 +51,55 @@ class MemoryLedger:
         self.live[category] += nbytes
         self.peak[category] = max(self.peak[category], self.live[category])
         self.peak_total = max(self.peak_total, self.live_total)
+        self.mark(f"hold {label}")
 
     def free(self, label: str) -> None:
         category, nbytes = self.held.pop(label)
         self.live[category] -= nbytes
+        self.mark(f"free {label}")
 
     def mark(self, event: str) -> None:
-        """Record the live total at a point of the step (layer boundaries), when recording."""
+        """Record the live total at an event of the step, when recording a timeline."""
         if self.timeline is not None:
             self.timeline.append((event, self.live_total))
 
     def report(self) -> dict:
         """Live and peak bytes by category, for history.json and the plots."""
         return {"live": dict(self.live), "peak": dict(self.peak), "peak_total": self.peak_total}
+
+
+class Activations:
+    """What forward keeps for backward, and the gradient flowing back, counted by the ledger.
+
+    Forward pushes each layer's cache. Backward pops them in reverse; `gradient(label, dx)`
+    records each new gradient, and only then are the previous gradient and the popped cache
+    freed, because until a layer's backward returns all three are alive.
+    """
+
+    def __init__(self, ledger: MemoryLedger) -> None:
+        self.ledger = ledger
+        self.caches: list[tuple[str, object]] = []
+        self.dying: list[str] = []  # labels to free at the next gradient
+
+    def push(self, label: str, cache) -> None:
+        self.ledger.hold("activations", label, cache.nbytes)
+        self.caches.append((label, cache))
+
+    def pop(self):
+        label, cache = self.caches.pop()
+        self.dying.append(label)
+        return cache
+
+    def gradient(self, label: str, dx: np.ndarray | None) -> np.ndarray | None:
+        """dx now exists (None: the embedding passes no gradient on); free what it replaces."""
+        self.ledger.hold("activations", label, 0 if dx is None else dx.nbytes)
+        for old in self.dying:
+            self.ledger.free(old)
+        self.dying = [label]
+        return dx
+
+    def clear(self) -> None:
+        """Free the last gradient: the step's activations are gone."""
+        for old in self.dying:
+            self.ledger.free(old)
+        self.dying = []

@@ -95,18 +95,18 @@ class SoftmaxCrossEntropy:
 
 
 class MLP:
-    """embedding -> fc1, ReLU -> (n_layers - 1) x (Linear, ReLU) -> output Linear."""
+    """embedding -> fc1, ReLU -> (layers - 1) x (Linear, ReLU) -> output Linear."""
 
     def __init__(self, config: ModelConfig) -> None:
         config.validate()
         c = config
         self.config = c
-        self.layers = [Embedding("emb", c.vocab_size, c.emb_size)]
-        in_features = c.seq_len * c.emb_size
-        for i in range(1, c.n_layers + 1):
-            self.layers += [Linear(f"fc{i}", in_features, c.hidden_size), ReLU(f"relu{i}")]
-            in_features = c.hidden_size
-        self.layers.append(Linear(f"fc{c.n_layers + 1}", c.hidden_size, c.vocab_size))
+        self.layers = [Embedding("emb", c.vocab_size, c.emb)]
+        in_features = c.seq_len * c.emb
+        for i in range(1, c.layers + 1):
+            self.layers += [Linear(f"fc{i}", in_features, c.hidden), ReLU(f"relu{i}")]
+            in_features = c.hidden
+        self.layers.append(Linear(f"fc{c.layers + 1}", c.hidden, c.vocab_size))
         self.loss = SoftmaxCrossEntropy()
 
     @property

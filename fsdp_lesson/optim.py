@@ -25,7 +25,17 @@ def flush_subnormals(x: np.ndarray, scratch: np.ndarray) -> None:
     bits *= keep
 
 
-class SGD:
+class Optimizer:
+    """What SGD and Adam share: t, the number of steps taken (one number, not per layer)."""
+
+    t = 0
+
+    def start_step(self) -> None:
+        """Called once per step by the strategy, before it updates each layer."""
+        self.t += 1
+
+
+class SGD(Optimizer):
     """p -= lr * g: the seed's optimizer; it keeps no state."""
 
     name = "sgd"
@@ -34,7 +44,7 @@ class SGD:
     def __init__(self, lr: float = 0.1) -> None:
         self.lr = np.float32(lr)
 
-    def init_state(self, numel: int, ledger: MemoryLedger, label: str) -> dict:
+    def init_state(self, numel: int, ledger: MemoryLedger, label: str) -> dict[str, np.ndarray]:
         return {}
 
     def update(self, p: np.ndarray, g: np.ndarray, state: dict) -> None:
@@ -42,8 +52,11 @@ class SGD:
         p -= g
 
 
-class Adam:
-    """Adam (Kingma & Ba) with bias correction; state m and v: 8 bytes per parameter."""
+class Adam(Optimizer):
+    """Adam (Kingma & Ba) with bias correction; state m and v: 8 bytes per parameter.
+
+    The step count t lives on the optimizer, not in the per-layer state: it is one number.
+    """
 
     name = "adam"
     state_per_param = 2
@@ -53,17 +66,15 @@ class Adam:
     ) -> None:
         self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
 
-    def init_state(self, numel: int, ledger: MemoryLedger, label: str) -> dict:
+    def init_state(self, numel: int, ledger: MemoryLedger, label: str) -> dict[str, np.ndarray]:
         return {
             "m": ledger.alloc("optimizer", numel, f"{label}.adam_m"),
             "v": ledger.alloc("optimizer", numel, f"{label}.adam_v"),
-            "t": 0,
         }
 
     def update(self, p: np.ndarray, g: np.ndarray, state: dict) -> None:
         m, v, b1, b2 = state["m"], state["v"], np.float32(self.beta1), np.float32(self.beta2)
-        state["t"] += 1
-        t = state["t"]
+        t = self.t
         m -= g  # m = b1*m + (1-b1)*g, written as b1*(m - g) + g to need no temporary
         m *= b1
         m += g

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from .config import ModelConfig
 from .model import MLP
+from .sharding import STRATEGIES, is_sharded
 
-STAGES = ("dp", "zero1", "zero2", "zero3")
+STAGES = tuple(s for s in STRATEGIES if s != "single")  # what one plans for N ranks
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,12 @@ MIXED_ADAM = Precision(2, 2, 12)  # the ZeRO paper: fp16 params and grads, K = 1
 
 def state_bytes(stage: str, psi: float, n: int, precision: Precision = MIXED_ADAM) -> dict:
     """Bytes per rank of params, grads and optimizer state (the paper's table; Ψ = psi)."""
-    p, g, k = precision.params * psi, precision.grads * psi, precision.optimizer * psi
-    sharded = {
-        "dp": (),
-        "zero1": ("optimizer",),
-        "zero2": ("optimizer", "grads"),
-        "zero3": ("optimizer", "grads", "params"),
-    }[stage]
-    full = {"params": p, "grads": g, "optimizer": k}
-    return {cat: b / n if cat in sharded else b for cat, b in full.items()}
+    full = {
+        "params": precision.params * psi,
+        "grads": precision.grads * psi,
+        "optimizer": precision.optimizer * psi,
+    }
+    return {cat: b / n if is_sharded(stage, cat) else b for cat, b in full.items()}
 
 
 def traffic_bytes(stage: str, psi: float, n: int, bytes_per_element: int = 4) -> float:
@@ -80,7 +78,7 @@ def activation_peak(model_config: ModelConfig, micro_batch: int) -> int:
     """
     c, b = model_config, micro_batch
     layers = MLP(c).layers
-    caches, width = [b * c.seq_len], c.seq_len * c.emb_size
+    caches, width = [b * c.seq_len], c.seq_len * c.emb
     for layer in layers[1:]:
         caches.append(4 * b * width)
         width = layer.shapes["W"][1] if layer.shapes else width
@@ -104,7 +102,7 @@ def ledger_bytes(
     if strategy in ("single", "dp"):
         psi_pad, largest = psi, 0
     state = state_bytes(
-        "dp" if strategy == "single" else strategy,
+        strategy,
         psi_pad,
         n,
         FP32_ADAM if optimizer == "adam" else FP32_SGD,

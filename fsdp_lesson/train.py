@@ -1,73 +1,56 @@
 """The one training loop, evaluation and sampling; every strategy runs through these functions.
 
 Only the strategy's hooks differ between single, dp and the ZeRO stages: the loop below is
-the same for all of them (DESIGN.md, "the one idea the code is built around").
+the same for all of them (docs/architecture.md, "The loop and its hooks").
 """
 
 from __future__ import annotations
 
+import math
 import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import Comm
-from .config import ConfigError, ModelConfig, TrainConfig
-from .data import Dataset, GlobalBatchSampler, decode, rank_slice
-from .memory import MemoryLedger
+from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from .data import DEFAULT_PATH, DataError, Dataset, GlobalBatchSampler, decode, rank_slice
+from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .model import MLP, softmax
 from .optim import make_optimizer
 from .rng import Rng, make_rng
 from .strategies import Strategy, make_strategy
 
 
-def forward(model: MLP, strategy: Strategy, x: np.ndarray, keep: bool = False):
-    """Run every layer on x; return the logits and, when keep, the caches backward needs."""
-    caches = []
+def forward(model: MLP, strategy: Strategy, x: np.ndarray, acts: Activations | None = None):
+    """Run every layer on x; return the logits. With acts, keep what backward will need."""
     for layer in model.layers:
         p = strategy.materialize(layer)
         x, cache = layer.forward(p, x)
+        if acts is not None:
+            acts.push(layer.name, cache)
         strategy.release(layer)
-        if keep:
-            caches.append(cache)
-            strategy.ledger.hold("activations", layer.name, cache.nbytes)
-        strategy.ledger.mark(f"forward {layer.name}")
-    return x, caches
+    return x
 
 
 def train_step(model: MLP, strategy: Strategy, X: np.ndarray, Y: np.ndarray) -> float:
-    """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss.
-
-    The ledger counts as activations the caches kept for backward and the gradient that
-    flows back (dx), so that it accounts for every sizeable array of the step.
-    """
-    ledger = strategy.ledger
-    logits, caches = forward(model, strategy, X, keep=True)
+    """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss."""
+    acts = Activations(strategy.ledger)
+    logits = forward(model, strategy, X, acts)
     loss, loss_cache = model.loss.forward(logits, Y)
-    dx = model.loss.backward(loss_cache)  # in place in the cache's probs
+    dx = acts.gradient("dlogits", model.loss.backward(loss_cache))  # in place in the probs
     del logits, loss_cache  # no stray references: what the ledger frees is really freed
-    dx_label = "dlogits"
-    ledger.hold("activations", dx_label, dx.nbytes)
-    ledger.mark("loss")
     for layer in reversed(model.layers):
         p = strategy.materialize(layer)
-        # the cache is popped so that its array is really freed after this layer
-        dx = layer.backward(p, caches.pop(), dx, strategy.grad_buffer(layer))
+        dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
+        acts.gradient(f"d_in {layer.name}", dx)
         strategy.reduce_grads(layer)
         strategy.release(layer)
-        # the new dx (the gradient of the layer's input) exists while the old one still does
-        ledger.hold("activations", f"d_in {layer.name}", 0 if dx is None else dx.nbytes)
-        ledger.mark(f"backward {layer.name}")
-        ledger.free(dx_label)
-        ledger.free(layer.name)  # this layer's cache is no longer needed
-        dx_label = f"d_in {layer.name}"
-    ledger.free(dx_label)
+    acts.clear()
     strategy.step()
-    ledger.mark("step")
     return loss
 
 
@@ -79,10 +62,10 @@ def evaluate(
     total = 0.0
     for _ in range(n_batches):
         X, Y = sampler.next()
-        logits, _ = forward(model, strategy, rank_slice(X, comm.rank, comm.size))
+        logits = forward(model, strategy, rank_slice(X, comm.rank, comm.size))
         loss, _ = model.loss.forward(logits, rank_slice(Y, comm.rank, comm.size))
         total += comm.mean_scalar(loss)
-    return total / max(n_batches, 1)
+    return total / n_batches
 
 
 def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) -> list[int]:
@@ -95,7 +78,7 @@ def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) 
     token = np.zeros(1, dtype=np.int32)
     tokens = []
     for _ in range(max_tokens):
-        logits, _ = forward(model, strategy, context)
+        logits = forward(model, strategy, context)
         probs = softmax(logits)[0]
         u = rng.uniform(1)[0]
         # walk the probabilities with a running float32 sum; the first with sum >= u
@@ -149,7 +132,17 @@ class History:
         )
 
     def to_dict(self) -> dict:
-        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(self).items()}
+        """Plain lists and numbers; steps that did not run here (before a resume) are None."""
+        return {k: _plain(v) for k, v in vars(self).items()}
+
+
+def _plain(value):
+    """numpy arrays as lists, NaN as None: strict JSON that every parser reads."""
+    if isinstance(value, np.ndarray):
+        return [None if math.isnan(x) else x for x in value.tolist()]
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
 
 
 class ReplicaMismatch(RuntimeError):
@@ -169,54 +162,74 @@ def check_replicas(strategy: Strategy) -> None:
         raise ReplicaMismatch(f"replicated state differs between ranks: {', '.join(differ)}")
 
 
+# Refusals every rank can reach on its own (a bad config, a missing file, a checkpoint that
+# does not fit): `together` makes every rank raise them, never one rank alone.
+REFUSALS = (ConfigError, DataError, CheckpointError, MemoryBudgetError)
+
+
+def together(comm: Comm, work: Callable[[], object]):
+    """Run work() on every rank; if it is refused on any rank, raise the refusal on all of them.
+
+    Without this, a rank that refuses alone (a file missing on one host) would leave the
+    others waiting forever in their next collective.
+    """
+    try:
+        result, problem = work(), None
+    except REFUSALS as err:
+        result, problem = None, (type(err).__name__, str(err))
+    problems = comm.allgather_objects(problem)
+    failed = [p for p in problems if p is not None]
+    if not failed:
+        return result
+    lines = []
+    for kind, text in dict.fromkeys(failed):
+        ranks = [r for r, p in enumerate(problems) if p == (kind, text)]
+        where = "" if len(ranks) == len(problems) else f" (on rank {', '.join(map(str, ranks))})"
+        lines.append(text + where)
+    raise {cls.__name__: cls for cls in REFUSALS}[failed[0][0]]("\n".join(lines))
+
+
 def run(
     model_config: ModelConfig,
     train_config: TrainConfig,
+    run_config: RunConfig | None = None,
     comm: Comm | None = None,
     data: Dataset | None = None,
     on_log: Callable[[int, float], None] | None = None,
-    trace_memory: bool = False,
-    timeline_step: int | None = None,
-    save_every: int | None = None,
-    checkpoint_dir: str | Path | None = None,
-    resume: str | Path | None = None,
-    reshard: bool = False,
 ) -> tuple[History, Strategy]:
     """Train, evaluate and sample with the configured strategy on this rank's Comm.
 
-    trace_memory: also measure the peak with tracemalloc (slower), to check the ledger.
-    timeline_step: record the ledger's live bytes at every layer boundary of this step.
-    save_every, checkpoint_dir: save a sharded checkpoint every so many steps (and at the end).
-    resume: continue from a checkpoint; reshard: allow one of another strategy or N.
+    Every rank calls it with the same configs; data, when given, saves loading names.txt.
+    on_log(step, loss) is called every train_config.log_every steps and at the last one.
     """
-    comm = comm or Comm()
-    train_config.validate(comm.size)  # the same verdict on every rank, before any collective
-    model_config.validate()
-    if save_every and checkpoint_dir is None:
-        raise ConfigError("save_every needs a checkpoint_dir to save into")
-    data = data or Dataset.load(seq_len=model_config.seq_len)
-    tc = train_config
+    comm, rc, tc = comm or Comm(), run_config or RunConfig(), train_config
+
+    def validate_and_load() -> Dataset:
+        tc.validate(comm.size)
+        model_config.validate()
+        rc.validate()
+        return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
+
+    data = together(comm, validate_and_load)
     rng = make_rng(tc.seed, tc.c_compat)
     model = MLP(model_config)
     params = model.init_params(rng)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
-    optimizer = make_optimizer(tc.optimizer, tc.learning_rate)
+    optimizer = make_optimizer(tc.optimizer, tc.lr)
     history = History.for_steps(model_config, tc, comm.size)
-    if trace_memory:
+    if rc.trace_memory:
         tracemalloc.start()
-    strategy = make_strategy(tc.strategy, model, params, optimizer, comm, ledger)
+    strategy = together(comm, lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger))
+    strategy.load_params(params)
     del params  # the strategy holds the parameters now, laid out its way
-    sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch_size, rng)
+    sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch, rng)
     configs = (asdict(model_config), tc.to_dict())
     first_step = 0
-    if resume is not None:
-        first_step = load_checkpoint(resume, strategy, rng, *configs, reshard=reshard)
-        if first_step > tc.steps:  # equal is fine: nothing to train, evaluate and sample
-            raise CheckpointError(
-                f"the checkpoint is at step {first_step}, past this run's last step {tc.steps}: "
-                f"ask for more steps (--steps) to train on from it"
-            )
+    if rc.resume is not None:
+        first_step = together(
+            comm, lambda: load_checkpoint(rc.resume, strategy, rng, *configs, reshard=rc.reshard)
+        )
         for series in (history.losses, history.local_losses, history.step_seconds):
             series[:first_step] = np.nan  # those steps ran before the checkpoint
 
@@ -224,10 +237,10 @@ def run(
         start = time.perf_counter()
         X, Y = sampler.next()
         X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
-        if step == timeline_step:
+        if step == rc.timeline_step:
             ledger.timeline = [("start", ledger.live_total)]
         local_loss = train_step(model, strategy, X, Y)
-        if step == timeline_step:
+        if step == rc.timeline_step:
             history.timeline, ledger.timeline = ledger.timeline, None
         loss = comm.mean_scalar(local_loss)
         history.step_seconds[step] = time.perf_counter() - start
@@ -235,32 +248,19 @@ def run(
         history.local_losses[step] = local_loss
         if on_log is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
             on_log(step, loss)
-        if save_every and ((step + 1) % save_every == 0 or step == tc.steps - 1):
-            save_checkpoint(checkpoint_dir, strategy, step + 1, rng, *configs)
+        if rc.save_every and ((step + 1) % rc.save_every == 0 or step == tc.steps - 1):
+            save_checkpoint(rc.checkpoint_dir, strategy, step + 1, rng, *configs)
 
     history.traffic = comm.traffic_report()
-    history.val_loss = evaluate(model, strategy, data, rng, tc.batch_size, tc.eval_batches)
-    for _ in range(tc.n_samples):
+    if tc.eval_batches:
+        history.val_loss = evaluate(model, strategy, data, rng, tc.batch, tc.eval_batches)
+    for _ in range(tc.samples):
         tokens = sample_name(model, strategy, rng)
         history.names.append(decode(tokens).rstrip("."))
         history.samples.append(format_sample(tokens, model_config.seq_len))
     history.memory = ledger.report()
-    if trace_memory:
+    if rc.trace_memory:
         history.memory["tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     check_replicas(strategy)
     return history, strategy
-
-
-def run_on_engine(model_config: ModelConfig, train_config: TrainConfig, **kwargs) -> dict:
-    """What a notebook runs on every engine (Ranks.run): train on MPI.COMM_WORLD.
-
-    Returns this rank's History as a dict, plus "params", the full parameters gathered
-    (identical on every rank). Rank 0 feeds the notebook's progress line.
-    """
-    from .cluster import report_progress  # imported here: plain mpiexec runs don't need it
-
-    history, strategy = run(
-        model_config, train_config, Comm.world(), on_log=report_progress, **kwargs
-    )
-    return history.to_dict() | {"params": strategy.full_params(), "rank": strategy.comm.rank}

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_lesson.comm import Comm
-from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3"]
-CONFIG = dict(optimizer="adam", batch_size=24, eval_batches=2, n_samples=1)
+CONFIG = dict(optimizer="adam", batch=24, eval_batches=2, samples=1)
 
 
 def save_result(path: Path, history, strategy) -> None:
@@ -37,25 +37,23 @@ def main(mode: str, directory: str) -> None:
             run(
                 ModelConfig(),
                 half,
+                RunConfig(save_every=50, checkpoint_dir=root / strategy),
                 Comm.world(),
                 data,
-                save_every=50,
-                checkpoint_dir=root / strategy,
             )
             history, s = run(
                 ModelConfig(),
                 TrainConfig(strategy=strategy, steps=100, **CONFIG),
-                Comm.world(),
-                data,
+                comm=Comm.world(),
+                data=data,
             )
             save_result(root / f"straight-{strategy}-N{n}.npz", history, s)
     else:
         for source in STRATEGIES:
             for target in STRATEGIES:
                 config = TrainConfig(strategy=target, steps=100, **CONFIG)
-                history, s = run(
-                    ModelConfig(), config, Comm.world(), data, resume=root / source, reshard=True
-                )
+                resume = RunConfig(resume=root / source, reshard=True)
+                history, s = run(ModelConfig(), config, resume, Comm.world(), data)
                 save_result(root / f"resumed-{source}-to-{target}-N{n}.npz", history, s)
 
 

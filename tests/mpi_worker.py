@@ -8,7 +8,7 @@ import pickle
 import sys
 
 from fsdp_lesson.comm import Comm
-from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
 
@@ -27,7 +27,7 @@ RUNS = [
     *[
         (
             f"zero3-{opt}-layers4",
-            ModelConfig(n_layers=4),
+            ModelConfig(layers=4),
             dict(strategy="zero3", optimizer=opt),
             {},
         )
@@ -37,23 +37,24 @@ RUNS = [
     *[
         (
             f"{strategy}-adam-wide",
-            ModelConfig(hidden_size=256),
+            ModelConfig(hidden=256),
             dict(strategy=strategy, optimizer="adam"),
             {"trace_memory": True},
         )
         for strategy in ("dp", "zero1", "zero2", "zero3")
     ],
 ]
-COMMON = dict(steps=100, batch_size=24, eval_batches=5, n_samples=3)
+COMMON = dict(steps=100, batch=24, eval_batches=5, samples=3)
 
 
 def padding_is_zero(strategy) -> bool:
     """Whether every padding element this rank holds of every layer's parameters is 0."""
-    for name, flat in strategy.layout.items():
-        params = strategy.params[name]
-        start = flat.shard_range(strategy.comm.rank)[0] if strategy.shards_params else 0
-        if params[max(flat.numel - start, 0) :].any():
-            return False
+    for key, entry in strategy.local_state().items():
+        if key.endswith(".params"):
+            flat = strategy.layout[entry.layer]
+            start = flat.shard_range(strategy.comm.rank)[0] if entry.sharded else 0
+            if entry.array[max(flat.numel - start, 0) :].any():
+                return False
     return True
 
 
@@ -64,7 +65,7 @@ def main(out: str) -> None:
         steps = 5 if "trace_memory" in run_kwargs else COMMON["steps"]
         config = TrainConfig(**(COMMON | kwargs | {"steps": steps}))
         comm = Comm.world()  # fresh accounting per run
-        history, strategy = run(model_config, config, comm=comm, data=data, **run_kwargs)
+        history, strategy = run(model_config, config, RunConfig(**run_kwargs), comm, data)
         params = strategy.full_params()
         per_rank = comm.gather_objects(
             {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fsdp_lesson.checkpoint import CheckpointError, read_manifest
-from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
 
@@ -24,7 +24,7 @@ def data():
 
 
 def small(**kw) -> TrainConfig:
-    return TrainConfig(**({"steps": 40, "eval_batches": 2, "n_samples": 2} | kw))
+    return TrainConfig(**({"steps": 40, "eval_batches": 2, "samples": 2} | kw))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -35,11 +35,10 @@ def test_resume_is_bit_identical_to_a_run_that_never_stopped(tmp_path, data, opt
     run(
         ModelConfig(),
         small(optimizer=optimizer, c_compat=c_compat, steps=20),
+        RunConfig(save_every=10, checkpoint_dir=tmp_path / "ckpt"),
         data=data,
-        save_every=10,
-        checkpoint_dir=tmp_path / "ckpt",
     )
-    resumed, s2 = run(ModelConfig(), config, data=data, resume=tmp_path / "ckpt")
+    resumed, s2 = run(ModelConfig(), config, RunConfig(resume=tmp_path / "ckpt"), data=data)
     for layer, p in s1.full_params().items():
         for k, v in p.items():
             assert v.tobytes() == s2.full_params()[layer][k].tobytes(), f"{layer}.{k}"
@@ -52,9 +51,8 @@ def saved(tmp_path, data, **kw) -> Path:
     run(
         ModelConfig(),
         small(steps=10, **kw),
+        RunConfig(save_every=10, checkpoint_dir=tmp_path / "c"),
         data=data,
-        save_every=10,
-        checkpoint_dir=tmp_path / "c",
     )
     return tmp_path / "c"
 
@@ -64,21 +62,21 @@ def test_a_corrupted_shard_is_refused(tmp_path, data):
     shard = next(ckpt.glob("rank*.npz"))
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
     with pytest.raises(CheckpointError, match="missing or corrupted"):
-        run(ModelConfig(), small(), data=data, resume=ckpt)
+        run(ModelConfig(), small(), RunConfig(resume=ckpt), data=data)
 
 
 def test_another_model_or_optimizer_is_refused(tmp_path, data):
     ckpt = saved(tmp_path, data)
     with pytest.raises(CheckpointError, match="another model"):
-        run(ModelConfig(hidden_size=32), small(), data=data, resume=ckpt)
+        run(ModelConfig(hidden=32), small(), RunConfig(resume=ckpt), data=data)
     with pytest.raises(CheckpointError, match="'optimizer': 'sgd'"):
-        run(ModelConfig(), small(optimizer="adam"), data=data, resume=ckpt)
+        run(ModelConfig(), small(optimizer="adam"), RunConfig(resume=ckpt), data=data)
 
 
 def test_another_strategy_needs_reshard(tmp_path, data):
     ckpt = saved(tmp_path, data)  # saved by single
     with pytest.raises(CheckpointError, match="pass --reshard"):
-        run(ModelConfig(), small(strategy="zero3"), data=data, resume=ckpt)
+        run(ModelConfig(), small(strategy="zero3"), RunConfig(resume=ckpt), data=data)
 
 
 def test_an_interrupted_save_leaves_nothing_that_loads(tmp_path, data):
@@ -141,13 +139,15 @@ def test_resume_at_the_same_n_is_bit_identical(resharded, strategy):
 @pytest.mark.parametrize("n", [4, 3, 2, 1])
 def test_resharding_every_strategy_pair_trains_on_equivalently(resharded, data, n):
     config = TrainConfig(
-        strategy="single", optimizer="adam", batch_size=24, steps=100, eval_batches=2, n_samples=1
+        strategy="single", optimizer="adam", batch=24, steps=100, eval_batches=2, samples=1
     )
     reference, s = run(ModelConfig(), config, data=data)
     expected = {f"{layer}.{k}": v for layer, p in s.full_params().items() for k, v in p.items()}
     for source in STRATEGIES:
         if n == 1:  # into single, in this process
-            h, s1 = run(ModelConfig(), config, data=data, resume=resharded / source, reshard=True)
+            h, s1 = run(
+                ModelConfig(), config, RunConfig(resume=resharded / source, reshard=True), data=data
+            )
             params = {
                 f"{layer}.{k}": v for layer, p in s1.full_params().items() for k, v in p.items()
             }

@@ -246,6 +246,7 @@ def train_until_rank_2_dies(model_config, train_config, checkpoint_dir, die_at):
     import signal
 
     from fsdp_lesson.comm import Comm
+    from fsdp_lesson.config import RunConfig
     from fsdp_lesson.train import run
 
     comm = Comm.world()
@@ -254,19 +255,19 @@ def train_until_rank_2_dies(model_config, train_config, checkpoint_dir, die_at):
         if comm.rank == 2 and step == die_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    run(
-        model_config, train_config, comm, on_log=crash, save_every=10, checkpoint_dir=checkpoint_dir
-    )
+    saving = RunConfig(save_every=10, checkpoint_dir=checkpoint_dir)
+    run(model_config, train_config, saving, comm, on_log=crash)
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_training_resumes_from_the_checkpoint_after_an_engine_dies(own, tmp_path):
-    from fsdp_lesson.config import ModelConfig, TrainConfig
-    from fsdp_lesson.train import run, run_on_engine
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
+    from fsdp_lesson.train import run
 
     config = TrainConfig(
-        strategy="zero3", optimizer="adam", steps=60, log_every=1, eval_batches=2, n_samples=2
+        strategy="zero3", optimizer="adam", steps=60, log_every=1, eval_batches=2, samples=2
     )
     old_pids = list(own.pids)
     start = time.monotonic()
@@ -279,7 +280,7 @@ def test_training_resumes_from_the_checkpoint_after_an_engine_dies(own, tmp_path
     assert wait_until_gone(old_pids) == []  # no orphan engine of the crashed job
     # the engines are back: resume from the last checkpoint (step 30) and finish
     results = own.run(
-        run_on_engine, ModelConfig(), config, resume=str(tmp_path / "ckpt"), timeout=120
+        run_on_engine, ModelConfig(), config, RunConfig(resume=tmp_path / "ckpt"), timeout=120
     )
     straight, strategy = run(
         ModelConfig(), config.__class__(**(config.to_dict() | {"strategy": "single"}))

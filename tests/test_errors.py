@@ -52,7 +52,7 @@ CASES = [
     ),
     ("unknown-strategy", ["--strategy", "zero4"], 2, "invalid choice: 'zero4'"),
     ("unknown-optimizer", ["--optimizer", "rmsprop"], 2, "invalid choice: 'rmsprop'"),
-    ("steps-zero", ["--steps", "0"], 1, "--steps: must be a positive integer, got 0"),
+    ("steps-negative", ["--steps", "-1"], 1, "--steps: must be 0 or more, got -1"),
     ("lr-negative", ["--lr", "-0.1"], 1, "--lr: must be positive, got -0.1"),
     ("hidden-zero", ["--hidden", "0"], 1, "--hidden: must be a positive integer, got 0"),
     ("layers-zero", ["--layers", "0"], 1, "--layers: must be a positive integer, got 0"),
@@ -186,7 +186,7 @@ def test_python_api_raises_config_errors():
         TrainConfig(strategy="zero4").validate()
     with pytest.raises(ConfigError, match="unknown optimizer"):
         TrainConfig(optimizer="rmsprop").validate()
-    with pytest.raises(ConfigError, match="hidden_size must be a positive integer"):
-        ModelConfig(hidden_size=0).validate()
+    with pytest.raises(ConfigError, match="hidden must be a positive integer"):
+        ModelConfig(hidden=0).validate()
     with pytest.raises(ConfigError, match="lr must be positive"):
         TrainConfig(lr=0.0).validate()

@@ -26,7 +26,7 @@ def test_layers_and_shapes():
 
 
 def test_deeper_model_has_hidden_blocks():
-    model = MLP(ModelConfig(n_layers=3, hidden_size=8))
+    model = MLP(ModelConfig(layers=3, hidden=8))
     names = [layer.name for layer in model.layers]
     assert names == ["emb", "fc1", "relu1", "fc2", "relu2", "fc3", "relu3", "fc4"]
     assert model.layers[3].shapes == {"W": (8, 8), "b": (8,)}
@@ -47,9 +47,7 @@ def test_loss_at_init_is_about_ln_vocab(data):
     assert abs(loss - np.log(27)) < 0.01
 
 
-@pytest.mark.parametrize(
-    "config", [ModelConfig(), ModelConfig(emb_size=4, hidden_size=6, n_layers=3)]
-)
+@pytest.mark.parametrize("config", [ModelConfig(), ModelConfig(emb=4, hidden=6, layers=3)])
 def test_every_gradient_matches_central_differences(data, config):
     """Per tensor, in float64: |num - ana| / (|num| + |ana|) <= 1e-6, with 2-norms."""
     model = MLP(config)

@@ -31,10 +31,11 @@ def test_adam_matches_the_textbook():
     adam, p = Adam(1e-2), p0.copy()
     state = adam.init_state(100, MemoryLedger(), "x")
     for g in grads:
+        adam.start_step()
         adam.update(p, g.copy(), state)
     expected = adam_reference(p0, grads, lr=1e-2)
     np.testing.assert_allclose(p, expected, rtol=0, atol=1e-5)  # float32 against float64
-    assert state["t"] == 20
+    assert adam.t == 20 and set(state) == {"m", "v"}
 
 
 @pytest.mark.parametrize("opt", [SGD(0.1), Adam(1e-3)])
@@ -46,6 +47,7 @@ def test_a_shard_updates_exactly_like_its_slice(opt):
     shard_state = opt.init_state(4, MemoryLedger(), "shard")
     for _ in range(5):
         g = rng.standard_normal(12).astype(np.float32)
+        opt.start_step()
         opt.update(p_full, g.copy(), full_state)
         opt.update(p_shard, g[4:8].copy(), shard_state)
     assert np.array_equal(p_full[4:8], p_shard)  # bit for bit
@@ -88,6 +90,21 @@ def test_flatparam_shards_cover_the_vector_and_padding_is_zero(world):
     assert all(len(s) == flat.shard_size for s in shards)
     assert np.array_equal(np.concatenate(shards), buf)
     assert buf[: flat.numel].sum() == flat.numel and not buf[flat.numel :].any()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_copy_shard_equals_the_slice_of_the_flat_vector(world):
+    flat = FlatParam({"W": (5, 3), "b": (3,)}, world_size=world)  # 18 elements
+    rng = np.random.default_rng(world)
+    arrays = {
+        "W": rng.standard_normal((5, 3)).astype(np.float32),
+        "b": np.arange(3.0, dtype=np.float32),
+    }
+    full = flat.flatten(arrays)
+    for rank in range(world):
+        shard = flat.copy_shard(arrays, rank, out=np.full(flat.shard_size, 9, np.float32))
+        assert shard.tobytes() == flat.owned_shard(full, rank).tobytes(), rank
+    assert flat.padded(full[: flat.numel]).tobytes() == full.tobytes()
 
 
 def test_flush_subnormals_zeroes_only_subnormals():

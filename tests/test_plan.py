@@ -39,10 +39,8 @@ def test_traffic_is_2_psi_or_3_psi_and_zero_on_one_rank():
 
 @pytest.mark.parametrize("strategy", ["single", "dp", "zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("model", [ModelConfig(), ModelConfig(n_layers=3, hidden_size=32)])
+@pytest.mark.parametrize("model", [ModelConfig(), ModelConfig(layers=3, hidden=32)])
 def test_predicts_the_ledger_on_one_rank(strategy, optimizer, model):
-    config = TrainConfig(
-        strategy=strategy, optimizer=optimizer, steps=2, eval_batches=0, n_samples=0
-    )
+    config = TrainConfig(strategy=strategy, optimizer=optimizer, steps=2, eval_batches=0, samples=0)
     history, _ = run(model, config, data=Dataset.load())
     assert history.memory["peak"] == ledger_bytes(strategy, model, 1, optimizer, micro_batch=32)

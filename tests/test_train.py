@@ -31,7 +31,7 @@ def c_reference_losses() -> np.ndarray:
 def test_c_compat_reproduces_the_c_trace(data):
     history, _ = run(
         ModelConfig(),
-        TrainConfig(steps=1000, c_compat=True, eval_batches=0, n_samples=0),
+        TrainConfig(steps=1000, c_compat=True, eval_batches=0, samples=0),
         data=data,
     )
     diff = np.abs(np.array(history.losses) - c_reference_losses())
@@ -39,7 +39,7 @@ def test_c_compat_reproduces_the_c_trace(data):
 
 
 def test_training_is_deterministic_and_learns(data):
-    config = TrainConfig(steps=300, eval_batches=5, n_samples=3)
+    config = TrainConfig(steps=300, eval_batches=5, samples=3)
     a, _ = run(ModelConfig(), config, data=data)
     b, _ = run(ModelConfig(), config, data=data)
     assert np.array_equal(a.losses, b.losses)
@@ -53,22 +53,22 @@ def test_first_step_equals_the_reference_loss(data):
     params = model.init_params(rng)
     idx = rng.indices(len(data.X_train), 32)
     expected, _ = loss_and_grads(model, params, data.X_train[idx], data.Y_train[idx])
-    history, _ = run(ModelConfig(), TrainConfig(steps=1, eval_batches=0, n_samples=0), data=data)
+    history, _ = run(ModelConfig(), TrainConfig(steps=1, eval_batches=0, samples=0), data=data)
     assert history.losses[0] == expected
 
 
 def test_adam_trains_faster_than_sgd_early(data):
-    sgd, _ = run(ModelConfig(), TrainConfig(steps=200, eval_batches=0, n_samples=0), data=data)
+    sgd, _ = run(ModelConfig(), TrainConfig(steps=200, eval_batches=0, samples=0), data=data)
     adam, _ = run(
         ModelConfig(),
-        TrainConfig(steps=200, optimizer="adam", eval_batches=0, n_samples=0),
+        TrainConfig(steps=200, optimizer="adam", eval_batches=0, samples=0),
         data=data,
     )
     assert np.mean(adam.losses[-50:]) < np.mean(sgd.losses[-50:])
 
 
 def test_samples_have_the_seed_format(data):
-    history, _ = run(ModelConfig(), TrainConfig(steps=50, eval_batches=2, n_samples=4), data=data)
+    history, _ = run(ModelConfig(), TrainConfig(steps=50, eval_batches=2, samples=4), data=data)
     assert len(history.samples) == 4
     for line in history.samples:
         context, last = line.split("  --> ")
@@ -104,7 +104,7 @@ def test_cli_train_prints_the_seed_lines_and_writes_out(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--steps", "0"], "--steps: must be a positive integer, got 0"),
+        (["--steps", "-3"], "--steps: must be 0 or more, got -3"),
         (["--lr", "-1"], "--lr: must be positive"),
         (["--strategy", "zero9"], "invalid choice: 'zero9'"),
         (["--optimizer", "lbfgs"], "invalid choice: 'lbfgs'"),
@@ -119,3 +119,17 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_steps_zero_initialises_evaluates_and_exits():
+    result = cli("train", "--steps", "0", "--eval-batches", "1", "--samples", "1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Final validation loss: ") and len(lines) == 2
+
+
+def test_no_validation_is_said_not_printed_as_zero():
+    result = cli("train", "--steps", "2", "--eval-batches", "0", "--samples", "0")
+    assert result.returncode == 0, result.stderr
+    assert "no validation (--eval-batches 0)" in result.stdout
+    assert "Final validation loss" not in result.stdout

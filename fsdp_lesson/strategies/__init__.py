@@ -1,8 +1,9 @@
-"""One small module per strategy; `make_strategy` picks one by name."""
+"""One small module per strategy; `make_strategy` picks one by name (sharding.STRATEGIES)."""
 
 from __future__ import annotations
 
-from .base import Strategy
+from ..sharding import STRATEGIES
+from .base import StateArray, Strategy
 from .dp import DataParallel
 from .single import Single
 from .zero1 import ZeRO1
@@ -10,10 +11,21 @@ from .zero2 import ZeRO2
 from .zero3 import ZeRO3
 
 STRATEGY_CLASSES = {cls.name: cls for cls in (Single, DataParallel, ZeRO1, ZeRO2, ZeRO3)}
+assert tuple(STRATEGY_CLASSES) == STRATEGIES, "every strategy has a row in the sharding table"
 
 
-def make_strategy(name: str, model, params, optimizer, comm, ledger) -> Strategy:
-    return STRATEGY_CLASSES[name](model, params, optimizer, comm, ledger)
+def make_strategy(name: str, model, optimizer, comm, ledger) -> Strategy:
+    return STRATEGY_CLASSES[name](model, optimizer, comm, ledger)
 
 
-__all__ = ["Strategy", "STRATEGY_CLASSES", "make_strategy"]
+__all__ = [
+    "STRATEGY_CLASSES",
+    "DataParallel",
+    "Single",
+    "StateArray",
+    "Strategy",
+    "ZeRO1",
+    "ZeRO2",
+    "ZeRO3",
+    "make_strategy",
+]

@@ -1,16 +1,23 @@
-"""The strategy interface: the hooks the one training loop calls, and nothing else.
+"""The strategy interface: the hooks the one training loop calls, and the state it owns.
 
     materialize(layer) -> p     the layer's full parameters, ready for forward or backward
-    release(layer)              done with them (zero3 drops its gathered copy)
+    release(layer)              done with them (zero3 frees its gathered copy)
     grad_buffer(layer) -> g     where backward writes the layer's full gradient
     reduce_grads(layer)         average that gradient over ranks, into where the strategy keeps it
     step()                      update the parameters this rank owns
 
-Every strategy keeps each layer's parameters in the flat layout of FlatParam, allocates
-through the memory ledger and talks to other ranks only through Comm.
+In PyTorch FSDP2 these are unshard, reshard, (the gradient's allocation), post_backward's
+reduce-scatter and optimizer.step on the sharded parameters; DeepSpeed's stage 3 calls them
+fetch, release, and reduce-scatter in its backward hooks.
+
+Every strategy keeps each layer's parameters in the flat layout of FlatParam, allocates through
+the memory ledger, reads from the sharding table (sharding.py) what it keeps whole and what as
+a shard, and talks to other ranks only through Comm.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,69 +25,126 @@ from ..comm import Comm
 from ..flat import FlatParam
 from ..memory import MemoryLedger
 from ..model import MLP, Params
+from ..sharding import ZERO_STAGE, is_sharded
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array of a strategy's state, and how it lies in the layer's flat vector."""
+
+    array: np.ndarray
+    layer: str
+    sharded: bool  # True: this rank's shard [r*S, (r+1)*S); False: the whole vector
 
 
 class Strategy:
     """Common state: the model, the optimizer, the Comm, the ledger, and each layer's FlatParam."""
 
     name = "base"
-    # What this stage shards over the ranks (the table of DESIGN.md); the rest is replicated.
-    shards_params = shards_grads = shards_optimizer = False
 
-    def __init__(
-        self,
-        model: MLP,
-        params: dict[str, Params],
-        optimizer,
-        comm: Comm,
-        ledger: MemoryLedger,
-        world_size: int,
-    ) -> None:
+    def __init__(self, model: MLP, optimizer, comm: Comm, ledger: MemoryLedger) -> None:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
-        # world_size 1: one unpadded flat vector per layer; N: padded to a multiple of N
-        self.layout = {layer.name: FlatParam(layer.shapes, world_size) for layer in model.layers}
+        self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
 
-    def alloc_per_layer(self, category: str, size: str, what: str = "") -> dict[str, np.ndarray]:
-        """One zeroed flat float32 array per layer, counted by the ledger under `category`.
+    # --- allocation, as the sharding table says -------------------------------------------
 
-        size names the FlatParam length: "numel" (unpadded), "padded_numel" or "shard_size".
+    def numel(self, flat: FlatParam, category: str) -> int:
+        """How many elements of a layer's `category` this rank keeps (the sharding table).
+
+        A shard is 1/N of the padded vector; a whole vector is padded only where a collective
+        cuts it into N chunks (from zero1 on), so dp and single hold exactly numel.
         """
+        if is_sharded(self.name, category):
+            return flat.shard_size
+        return flat.padded_numel if ZERO_STAGE[self.name] > 0 else flat.numel
+
+    def alloc_per_layer(self, category: str, label: str) -> dict[str, np.ndarray]:
+        """One zeroed flat float32 array per layer, sized by the table, counted by the ledger."""
         return {
-            name: self.ledger.alloc(category, getattr(flat, size), f"{name}.{what or category}")
+            name: self.ledger.alloc(category, self.numel(flat, category), f"{name}.{label}")
             for name, flat in self.layout.items()
         }
 
-    def init_optimizer_state(self, size: str) -> dict[str, dict]:
-        """The optimizer's state per layer for `size` parameters ("numel" or "shard_size")."""
+    def init_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """The optimizer's arrays per layer (Adam's m and v), sized by the table."""
         return {
-            name: self.optimizer.init_state(getattr(flat, size), self.ledger, name)
+            name: self.optimizer.init_state(self.numel(flat, "optimizer"), self.ledger, name)
             for name, flat in self.layout.items()
         }
 
-    def load_full_params(self, params: dict[str, Params], into: dict[str, np.ndarray]) -> None:
-        """Copy shaped initial parameters into full flat buffers (padding stays zero)."""
-        for name, flat in self.layout.items():
-            flat.flatten(params[name], out=into[name])
+    # --- the state a checkpoint saves and loads -------------------------------------------
+
+    def param_arrays(self) -> dict[str, np.ndarray]:
+        """This rank's parameters per layer: whole vectors or shards (see local_state)."""
+        raise NotImplementedError
+
+    def local_state(self) -> dict[str, StateArray]:
+        """Everything that defines the model and the optimizer on this rank, by "layer.what".
+
+        Gradients are not state: the next backward rewrites them. The optimizer's step count
+        is one number, kept by the optimizer (optimizer.t).
+        """
+        state = {}
+        for name, params in self.param_arrays().items():
+            state[f"{name}.params"] = StateArray(params, name, is_sharded(self.name, "params"))
+            for key, array in self.opt_state[name].items():
+                state[f"{name}.{key}"] = StateArray(array, name, is_sharded(self.name, "optimizer"))
+        return state
+
+    def load_state(self, vectors: dict[str, np.ndarray], optimizer_steps: int = 0) -> None:
+        """Set the whole state from each entry's whole (unpadded) vector, e.g. a checkpoint's."""
+        for key, entry in self.local_state().items():
+            self.set_from_vector(entry, vectors[key])
+        self.optimizer.t = optimizer_steps
+
+    def load_params(self, params: dict[str, Params]) -> None:
+        """Set the parameters from shaped arrays per layer (the initial model)."""
+        for key, entry in self.local_state().items():
+            if key.endswith(".params"):  # straight into place: no full copy of the model
+                flat, arrays = self.layout[entry.layer], params[entry.layer]
+                if entry.sharded:
+                    flat.copy_shard(arrays, self.comm.rank, out=entry.array)
+                else:
+                    flat.flatten(arrays, out=entry.array)
+
+    def set_from_vector(self, entry: StateArray, vector: np.ndarray) -> None:
+        """Copy a layer's whole vector into `entry`: all of it, or only this rank's shard."""
+        flat = self.layout[entry.layer]
+        if entry.sharded:
+            entry.array[...] = flat.owned_shard(flat.padded(vector), self.comm.rank)
+        else:
+            entry.array[: flat.numel] = vector[: flat.numel]  # the padding stays zero
+
+    def replicated(self) -> dict[str, np.ndarray]:
+        """Arrays that must be bit-identical on every rank after a step: all that is not sharded."""
+        if self.comm.size == 1:
+            return {}
+        return {key: s.array for key, s in self.local_state().items() if not s.sharded}
+
+    # --- the hooks ---------------------------------------------------------------------------
 
     def materialize(self, layer) -> Params:
+        """FSDP2: unshard. The layer's full parameters as shaped views."""
         raise NotImplementedError
 
     def release(self, layer) -> None:
-        pass
+        """FSDP2: reshard. Done with the layer's full parameters for now."""
 
     def grad_buffer(self, layer) -> Params:
+        """Where the layer's backward writes its full gradient, as shaped views."""
         raise NotImplementedError
 
     def reduce_grads(self, layer) -> None:
-        pass
+        """FSDP2: post_backward. Average the layer's gradient over ranks into where it is kept."""
 
     def step(self) -> None:
+        """optimizer.step(): update the parameters this rank owns."""
         raise NotImplementedError
 
     def full_params(self) -> dict[str, Params]:
         """Every layer's parameters as shaped copies, identical on all ranks (a collective)."""
-        raise NotImplementedError
-
-    def replicated(self) -> dict[str, np.ndarray]:
-        """Arrays that must be bit-identical on every rank after a step (checked after a run)."""
-        return {}
+        out = {}
+        for layer in self.model.layers:
+            out[layer.name] = {k: v.copy() for k, v in self.materialize(layer).items()}
+            self.release(layer)
+        return out

@@ -16,9 +16,3 @@ class DataParallel(Single):
 
     def reduce_grads(self, layer) -> None:
         self.comm.allreduce_mean(self.grads[layer.name])
-
-    def replicated(self):
-        arrays = {f"{name}.params": p for name, p in self.params.items()}
-        for name, state in self.opt_state.items():
-            arrays.update({f"{name}.{k}": v for k, v in state.items() if k != "t"})
-        return arrays

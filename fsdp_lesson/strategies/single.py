@@ -11,14 +11,16 @@ class Single(Strategy):
 
     name = "single"
 
-    def __init__(self, model, params, optimizer, comm, ledger) -> None:
-        super().__init__(model, params, optimizer, comm, ledger, world_size=1)
-        self.params = self.alloc_per_layer("params", "numel")
-        self.grads = self.alloc_per_layer("grads", "numel")
-        self.opt_state = self.init_optimizer_state("numel")
-        self.load_full_params(params, into=self.params)
+    def __init__(self, model, optimizer, comm, ledger) -> None:
+        super().__init__(model, optimizer, comm, ledger)
+        self.params = self.alloc_per_layer("params", "params")
+        self.grads = self.alloc_per_layer("grads", "grads")
+        self.opt_state = self.init_optimizer_state()
         self.param_views = {name: f.views(self.params[name]) for name, f in self.layout.items()}
         self.grad_views = {name: f.views(self.grads[name]) for name, f in self.layout.items()}
+
+    def param_arrays(self):
+        return self.params
 
     def materialize(self, layer) -> Params:
         return self.param_views[layer.name]
@@ -27,8 +29,6 @@ class Single(Strategy):
         return self.grad_views[layer.name]
 
     def step(self) -> None:
+        self.optimizer.start_step()
         for name in self.layout:
             self.optimizer.update(self.params[name], self.grads[name], self.opt_state[name])
-
-    def full_params(self) -> dict[str, Params]:
-        return {n: {k: v.copy() for k, v in views.items()} for n, views in self.param_views.items()}

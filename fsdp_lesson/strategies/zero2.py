@@ -14,10 +14,9 @@ class ZeRO2(ZeRO1):
     """zero1 with a gradient shard per layer, reduce-scattered during backward."""
 
     name = "zero2"
-    shards_grads = True
 
     def alloc_grads(self) -> None:
-        self.grads = self.alloc_per_layer("grads", "shard_size", "grad_shard")
+        self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
         largest = max(flat.padded_numel for flat in self.layout.values())
         self.full_grad = self.ledger.alloc("buffers", largest, "transient_full_grad")
         self.grad_views = {
@@ -30,7 +29,7 @@ class ZeRO2(ZeRO1):
         flat = self.layout[layer.name]
         full = self.full_grad[: flat.padded_numel]
         full[flat.numel :] = 0  # the reused buffer's padding may hold a larger layer's values
-        self.comm.reduce_scatter_mean(full, self.grads[layer.name])
+        self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
 
     def owned_grad(self, name: str):
-        return self.grads[name]  # already reduced during backward
+        return self.grad_shards[name]  # already reduced during backward

@@ -17,27 +17,26 @@ class ZeRO3(Strategy):
     """Shards only; one layer at a time is gathered into the gather buffer."""
 
     name = "zero3"
-    shards_params, shards_grads, shards_optimizer = True, True, True
 
-    def __init__(self, model, params, optimizer, comm, ledger) -> None:
-        super().__init__(model, params, optimizer, comm, ledger, world_size=comm.size)
-        self.params = self.alloc_per_layer("params", "shard_size", "param_shard")
-        self.grads = self.alloc_per_layer("grads", "shard_size", "grad_shard")
-        self.opt_state = self.init_optimizer_state("shard_size")
+    def __init__(self, model, optimizer, comm, ledger) -> None:
+        super().__init__(model, optimizer, comm, ledger)
+        self.param_shards = self.alloc_per_layer("params", "param_shard")
+        self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
+        self.opt_state = self.init_optimizer_state()
         largest = max(flat.padded_numel for flat in self.layout.values())
         gather = ledger.alloc("buffers", 2 * largest, "gather_buffer")  # [params | grads]
         self.gathered_params, self.gathered_grads = gather[:largest], gather[largest:]
         self.gathered: str | None = None  # the one layer materialized now, if any
-        for name, flat in self.layout.items():  # keep only the owned slice of the initial values
-            full = flat.flatten(params[name], out=self.gathered_params[: flat.padded_numel])
-            self.params[name][...] = flat.owned_shard(full, comm.rank)
+
+    def param_arrays(self):
+        return self.param_shards
 
     def materialize(self, layer) -> Params:
         """Allgather the layer's shards into the gather buffer; return views of the full layer."""
         assert self.gathered is None, f"{self.gathered} is still materialized"
         flat = self.layout[layer.name]
         full = self.comm.allgather(
-            self.params[layer.name], self.gathered_params[: flat.padded_numel]
+            self.param_shards[layer.name], self.gathered_params[: flat.padded_numel]
         )
         self.gathered = layer.name
         self.ledger.mark(f"gather {layer.name}")
@@ -55,15 +54,10 @@ class ZeRO3(Strategy):
         flat = self.layout[layer.name]
         full = self.gathered_grads[: flat.padded_numel]
         full[flat.numel :] = 0  # the reused buffer's padding may hold a larger layer's values
-        self.comm.reduce_scatter_mean(full, self.grads[layer.name])
+        self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
 
     def step(self) -> None:
+        self.optimizer.start_step()
         for name in self.layout:
-            self.optimizer.update(self.params[name], self.grads[name], self.opt_state[name])
-
-    def full_params(self) -> dict[str, Params]:
-        out = {}
-        for layer in self.model.layers:
-            out[layer.name] = {k: v.copy() for k, v in self.materialize(layer).items()}
-            self.release(layer)
-        return out
+            shard, grad = self.param_shards[name], self.grad_shards[name]
+            self.optimizer.update(shard, grad, self.opt_state[name])

@@ -1,0 +1,37 @@
+"""The committed notebooks: nbval compares every output except those that really vary."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+# What makes an output vary from run to run, as code: time, progress lines, process ids,
+# tracemalloc and RSS, %px/%%px (engine order), subprocesses, which rank answers first, the
+# cluster's address, long float32 training (its last digits depend on the CPU's kernels),
+# and the first matplotlib import (a one-time font-cache notice).
+VOLATILE = re.compile(
+    r"perf_counter|time\.|step_seconds|cpu_count|progress=|tracemalloc|rss|getpid|%%?px"
+    r"|subprocess|RankError|connect\(|history\.(names|samples|val_loss)|\[\"names\"\]"
+    r"|^import matplotlib",
+    re.MULTILINE,
+)
+
+
+def ignored_cells():
+    for path in NOTEBOOKS:
+        for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "code" and "NBVAL_IGNORE_OUTPUT" in source:
+                yield pytest.param(path.name, index, source, id=f"{path.stem}-cell{index}")
+
+
+@pytest.mark.parametrize("name, index, source", list(ignored_cells()))
+def test_every_ignored_cell_is_volatile_and_says_why(name, index, source):
+    lines = source.splitlines()
+    assert lines[0] == "# NBVAL_IGNORE_OUTPUT", "the marker is the first line"
+    assert lines[1].startswith("# ("), "the second line says why the output varies"
+    assert "getsource" not in source, "printed source is deterministic: nbval must compare it"
+    code = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    assert VOLATILE.search(code), "nothing in this cell varies from run to run"
