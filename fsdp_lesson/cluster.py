@@ -184,6 +184,13 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
         raise
     ranks = Ranks(client, ids_by_rank, profile, timeout, cluster if owned else None)
     ranks.engine_logs = [es.output_file for es in cluster.engines.values()]
+    if owned:
+        print(
+            f"started a cluster of {n} MPI engines (profile {profile!r}); it stops when this "
+            f"Python exits"
+        )
+    else:
+        print(f"using the running cluster of {n} MPI engines (profile {profile!r})")
     return ranks
 
 

@@ -20,6 +20,7 @@ class FlatParam:
         self.shapes = dict(shapes)
         self.sizes = {name: int(np.prod(shape)) for name, shape in self.shapes.items()}
         self.numel = sum(self.sizes.values())
+        self.world_size = world_size
         self.shard_size = -(-self.numel // world_size)  # ceil(numel / N)
         self.padded_numel = self.shard_size * world_size
         self.padding = self.padded_numel - self.numel
