@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 try:
@@ -21,15 +24,17 @@ except ImportError:  # a Python without the project's packages, e.g. outside .ve
         f"the project's environment first (. .venv/bin/activate), or run make run / make test"
     )
 
-from .checkpoint import CheckpointError
 from .config import OPTIMIZERS, ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import DEFAULT_PATH, NAMES_SHA256, DataError, build_names_file, sha256_of
-from .memory import MemoryBudgetError
 from .sharding import STRATEGIES
 
 
 class UsageError(Exception):
     """A bad flag or value: one line on stderr and exit code 2, no traceback."""
+
+
+class TrainingDiverged(Exception):
+    """The loss became NaN or infinite: one line on stderr and exit code 3."""
 
 
 def launcher_rank_and_size() -> tuple[int, int]:
@@ -87,8 +92,8 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
     return value
 
 
@@ -181,6 +186,11 @@ def build_parser() -> Parser:
     train.add_argument(
         "--out", type=Path, default=None, help="write history.json and params.npz here"
     )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="a fresh run (no --resume) may replace the checkpoint already in OUT/checkpoint",
+    )
 
     commands.add_parser(
         "bench",
@@ -202,8 +212,10 @@ def build_parser() -> Parser:
 
 def checkpoint_in(path: Path | None) -> Path | None:
     """--resume accepts the checkpoint itself or the --out directory that holds it."""
-    if path is not None and not (path / "manifest.json").exists():
-        if (path / "checkpoint" / "manifest.json").exists():
+    from .checkpoint import find_checkpoint
+
+    if path is not None and find_checkpoint(path) is None:
+        if find_checkpoint(path / "checkpoint") is not None:
             return path / "checkpoint"
     return path
 
@@ -230,19 +242,62 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         save_every=args.save_every,
         resume=checkpoint_in(args.resume),
         reshard=args.reshard,
+        overwrite=args.overwrite,
     )
     return model_config, train_config, run_config
 
 
+def end_every_rank_on_interrupt(rank: int) -> None:
+    """One Ctrl-C (or SIGTERM) ends this rank at once, with one line from rank 0.
+
+    mpiexec passes Ctrl-C on to every rank, but a rank busy inside an MPI call would raise
+    KeyboardInterrupt only after the call returns, which it never does once another rank has
+    stopped. So the signal wakes a thread instead (signal.set_wakeup_fd), which exits the
+    process while the main thread may still be inside MPI (mpi4py releases the GIL there).
+    """
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)  # the wakeup fd is written only with a handler set
+    signal.set_wakeup_fd(write_end)
+
+    def exit_now() -> None:
+        signum = os.read(read_end, 1)[0]
+        if rank == 0:
+            what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated"
+            os.write(2, f"{what}: every rank stops; nothing more is written\n".encode())
+        os._exit(128 + signum)
+
+    threading.Thread(target=exit_now, daemon=True).start()
+
+
+def check_out(out: Path | None) -> None:
+    """--out must be a writable directory, or one that can be created: checked before training."""
+    if out is None:
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory: choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"--out {out} cannot be created ({err.strerror}): choose another --out"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out} is not writable: choose another --out")
+
+
 def train_command(args) -> None:
-    from .comm import Comm
-    from .train import run
+    from .comm import Comm, together
+    from .train import REFUSALS, Diverged, run
 
     model_config, train_config, run_config = configs_from(args)
     launched_alone = launcher_rank_and_size()[1] == 1
     comm = Comm() if args.strategy == "single" and launched_alone else Comm.world()
+    end_every_rank_on_interrupt(comm.rank)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    try:  # run() agrees on every refusal, so all ranks raise it together: no hang
+    try:  # every refusal is agreed on, so all ranks raise it together: no hang
+        together(comm, lambda: check_out(args.out), REFUSALS)
         history, strategy = run(
             model_config,
             train_config,
@@ -250,12 +305,30 @@ def train_command(args) -> None:
             comm,
             on_log=lambda step, loss: say(f"step: {step}, loss {loss:f}", flush=True),
         )
-    except (ConfigError, DataError, MemoryBudgetError, CheckpointError) as err:
+    except REFUSALS as err:
         raise UsageError("\n".join(f"error: {line}" for line in str(err).splitlines())) from None
-    if run_config.resume is not None:
-        first = int(np.isnan(history.losses).sum())
-        say(f"resumed from {run_config.resume} at step {first} ({strategy.name} on {comm.size})")
-        if first == train_config.steps:
+    except Diverged as err:  # the same loss on every rank: every rank stops here
+        raise TrainingDiverged(
+            f"error: training diverged: {err}" if comm.rank == 0 else ""
+        ) from None
+    resumed = history.resumed_from
+    if resumed is not None:
+        say(
+            f"resumed from {resumed['path']} at step {resumed['step']} (saved by "
+            f"{resumed['strategy']} on {resumed['world_size']} ranks; this run: {strategy.name} "
+            f"on {comm.size}"
+            + (
+                ", resharded)"
+                if (resumed["strategy"], resumed["world_size"]) != (strategy.name, comm.size)
+                else ")"
+            )
+        )
+        if resumed["batch"] != train_config.batch:
+            say(
+                f"note: the global batch changes from {resumed['batch']} to {train_config.batch}:"
+                f" this run no longer matches one that never stopped"
+            )
+        if resumed["step"] == train_config.steps:
             say(f"nothing to train: the checkpoint is already at step {train_config.steps}")
     if history.val_loss is None:
         say("no validation (--eval-batches 0)")
@@ -281,11 +354,14 @@ def train_command(args) -> None:
 
 
 def data_command(args) -> int:
-    if args.action == "build":
-        digest = build_names_file(args.path)
-        print(f"rebuilt {args.path} from the SSA baby names")
-    else:
-        digest = sha256_of(args.path)
+    try:
+        if args.action == "build":
+            digest = build_names_file(args.path)
+            print(f"rebuilt {args.path} from the SSA baby names")
+        else:
+            digest = sha256_of(args.path)
+    except DataError as err:
+        raise UsageError(f"error: {err}") from None
     status = "matches" if digest == NAMES_SHA256 else "DIFFERS from"
     print(f"{args.path}: sha256 {digest} ({status} the lesson's {NAMES_SHA256[:12]}...)")
     return 0 if digest == NAMES_SHA256 else 1
@@ -302,11 +378,36 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "data":
             return data_command(args)
         train_command(args)
-    except (UsageError, DataError) as err:
+    except UsageError as err:
         if str(err) and launcher_rank_and_size()[0] == 0:
             print(err, file=sys.stderr)
         return 2
+    except TrainingDiverged as err:
+        if str(err):
+            print(err, file=sys.stderr)
+        return 3
+    except Exception as err:  # anything unforeseen, on some ranks only perhaps
+        end_the_job(err)
     return 0
+
+
+def end_the_job(err: Exception) -> None:
+    """An unforeseen error on this rank: say so in one line, then end every rank of the job.
+
+    The other ranks may be waiting for this one inside a collective: MPI_Abort ends them all,
+    where a plain exit would leave them waiting forever.
+    """
+    rank, size = launcher_rank_and_size()
+    text = str(err).splitlines()[0] if str(err) else ""
+    sys.stderr.write(
+        f"rank {rank}: {type(err).__name__}: {text} -- unexpected, so every rank stops now; "
+        f"run again with the same flags, and if it repeats, report this line\n"
+    )
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if size > 1 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.COMM_WORLD.Abort(1)
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -139,9 +139,41 @@ class Comm:
         """Every rank's obj as a list, on every rank; pickled, so only for rare small things."""
         return [obj] if self.mpi is None else self.mpi.allgather(obj)
 
+    def ranks_on_this_host(self) -> int:
+        """How many ranks of this job share this machine (and so its memory)."""
+        if self.mpi is None:
+            return 1
+        local = self.mpi.Split_type(self.MPI.COMM_TYPE_SHARED)
+        size = local.Get_size()
+        local.Free()
+        return size
+
     def gather_objects(self, obj) -> list | None:
         """Every rank's obj as a list on rank 0 (None elsewhere); pickled, so once per run only."""
         return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
 
     def traffic_report(self) -> dict[str, dict]:
         return {kind: asdict(t) for kind, t in self.traffic.items()}
+
+
+def together(comm: Comm, work, refusals: tuple[type[Exception], ...]):
+    """Run work() on every rank; if it raises one of `refusals` on any rank, raise it on all.
+
+    Without this, a rank that refuses alone (a file missing on one host, a full disk) would
+    leave the others waiting forever in their next collective. The message names the ranks
+    when not all of them refused.
+    """
+    try:
+        result, problem = work(), None
+    except refusals as err:
+        result, problem = None, (type(err).__name__, str(err))
+    problems = comm.allgather_objects(problem)
+    failed = [p for p in problems if p is not None]
+    if not failed:
+        return result
+    lines = []
+    for kind, text in dict.fromkeys(failed):
+        ranks = [r for r, p in enumerate(problems) if p == (kind, text)]
+        where = "" if len(ranks) == len(problems) else f" (on rank {', '.join(map(str, ranks))})"
+        lines.append(text + where)
+    raise {cls.__name__: cls for cls in refusals}[failed[0][0]]("\n".join(lines))

@@ -9,6 +9,7 @@ Field names are the command line's flags (`--batch` is `batch`, `--hidden` is `h
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,11 +77,19 @@ class TrainConfig:
             f"unknown optimizer {self.optimizer!r}: choose sgd or adam",
         )
         _require(self.steps >= 0, f"steps must be 0 or more, got {self.steps}")
-        _require(self.lr is not None and self.lr > 0, f"lr must be positive, got {self.lr}")
+        _require(
+            self.lr is not None and 0 < self.lr < math.inf,
+            f"lr must be a positive finite number, got {self.lr}",
+        )
+        _require(
+            0 <= self.seed < 2**32,
+            f"seed must be between 0 and 2**32 - 1 (an unsigned 32-bit number, as C's srand "
+            f"takes), got {self.seed}",
+        )
         _require(self.batch >= 1, f"batch must be positive, got {self.batch}")
         _require(
-            self.memory_budget_mb is None or self.memory_budget_mb > 0,
-            f"memory budget must be positive, got {self.memory_budget_mb} MB",
+            self.memory_budget_mb is None or 0 < self.memory_budget_mb < math.inf,
+            f"memory budget must be a positive finite number of MiB, got {self.memory_budget_mb}",
         )
         _require(
             self.eval_batches >= 0 and self.samples >= 0 and self.log_every >= 1,
@@ -115,7 +124,8 @@ class RunConfig:
     checkpoint_dir: Path | None = None  # where sharded checkpoints go
     save_every: int | None = None  # save every so many steps (and at the end)
     resume: Path | None = None  # continue from this checkpoint
-    reshard: bool = False  # allow resuming a checkpoint of another strategy or N
+    reshard: bool = False  # allow resuming a checkpoint of another strategy, N or global batch
+    overwrite: bool = False  # a fresh run may replace a checkpoint already in checkpoint_dir
     trace_memory: bool = False  # also measure the peak with tracemalloc (slower)
     timeline_step: int | None = None  # record the ledger's every change during this step
 

@@ -42,7 +42,10 @@ def load_names(path: str | os.PathLike = DEFAULT_PATH, max_len: int = 15) -> lis
         raise DataError(f"{path}: no such file; build it with `python -m fsdp_lesson data build`")
     if path.is_dir():
         raise DataError(f"{path} is a directory; --data wants a names file, one name per line")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()  # \n or \r\n
+    if not path.is_file():  # a FIFO or a device would be read forever, or block
+        raise DataError(f"{path} is not a regular file; --data wants a names file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.removeprefix("\ufeff").splitlines()  # a byte-order mark is dropped; \n or \r\n
     if not lines:
         raise DataError(f"{path} is empty; it needs one name per line (letters a-z)")
     for number, name in enumerate(lines, start=1):
@@ -120,7 +123,11 @@ def rank_slice(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
 
 def sha256_of(path: str | os.PathLike) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """The file's sha256 in hex; a missing or unreadable file is a DataError naming it."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read it ({err.strerror})") from None
 
 
 def build_names_file(path: str | os.PathLike = DEFAULT_PATH) -> str:
@@ -136,6 +143,11 @@ def build_names_file(path: str | os.PathLike = DEFAULT_PATH) -> str:
     year = df[df["year"] == df["year"].max()]
     counts = year.assign(name=year["name"].str.lower()).groupby("name")["n"].sum().reset_index()
     counts = counts.sort_values(["n", "name"], ascending=[False, True])
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text("\n".join(counts["name"]) + "\n", encoding="ascii")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("\n".join(counts["name"]) + "\n", encoding="ascii")
+    except OSError as err:
+        raise DataError(
+            f"{path}: cannot write it ({err.strerror}); choose another --path"
+        ) from None
     return sha256_of(path)

@@ -21,6 +21,6 @@ STRATEGIES = tuple(ZERO_STAGE)
 SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}
 
 
-def is_sharded(strategy: str, category: str) -> bool:
-    """Whether `strategy` keeps only 1/N of `category` ("params", "grads" or "optimizer")."""
-    return ZERO_STAGE[strategy] >= SHARDED_FROM[category]
+def is_sharded(stage: int, category: str) -> bool:
+    """Whether ZeRO stage `stage` keeps only 1/N of `category` ("params", "grads", "optimizer")."""
+    return stage >= SHARDED_FROM[category]

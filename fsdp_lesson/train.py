@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .comm import Comm
+from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from .comm import Comm, together
 from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import DEFAULT_PATH, DataError, Dataset, GlobalBatchSampler, decode, rank_slice
 from .memory import Activations, MemoryBudgetError, MemoryLedger
@@ -118,6 +118,7 @@ class History:
     memory: dict = field(default_factory=dict)  # this rank's ledger report
     traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
     timeline: list = field(default_factory=list)  # (event, live bytes) over one step, if asked
+    resumed_from: dict | None = None  # the checkpoint this run continued, if any
 
     @classmethod
     def for_steps(cls, model_config: ModelConfig, train_config: TrainConfig, world_size: int):
@@ -167,26 +168,63 @@ def check_replicas(strategy: Strategy) -> None:
 REFUSALS = (ConfigError, DataError, CheckpointError, MemoryBudgetError)
 
 
-def together(comm: Comm, work: Callable[[], object]):
-    """Run work() on every rank; if it is refused on any rank, raise the refusal on all of them.
+class Diverged(ArithmeticError):
+    """The loss became NaN or infinite: training stops there (the CLI exits with code 3)."""
 
-    Without this, a rank that refuses alone (a file missing on one host) would leave the
-    others waiting forever in their next collective.
+
+def check_memory(model_config: ModelConfig, tc: TrainConfig, comm: Comm) -> None:
+    """Refuse a run whose predicted peak per rank exceeds the budget or the machine's memory.
+
+    The prediction is plan.ledger_bytes (which the tests check against the ledger to the
+    byte) plus the per-step history; it is made before anything is allocated.
     """
+    from . import plan
+
+    micro_batch = tc.batch // comm.size
+    need = sum(
+        plan.ledger_bytes(tc.strategy, model_config, comm.size, tc.optimizer, micro_batch).values()
+    )
+    need += 3 * 8 * tc.steps  # History: three float64 series
+    mib = 2**20
+    if tc.memory_budget_mb is not None:
+        allowed, what = tc.memory_budget_mb * mib, f"the budget of {tc.memory_budget_mb:g} MiB"
+    else:
+        available = available_memory()
+        if available is None:
+            return
+        allowed = available / comm.ranks_on_this_host()
+        what = f"this machine's available memory ({allowed / mib:,.0f} MiB per rank)"
+    if need <= allowed:
+        return
+    fits = [
+        s
+        for s in ("zero1", "zero2", "zero3")
+        if sum(plan.ledger_bytes(s, model_config, comm.size, tc.optimizer, micro_batch).values())
+        + 3 * 8 * tc.steps
+        <= allowed
+    ]
+    hint = (
+        f"--strategy {fits[0]} would fit"
+        if fits and tc.strategy not in fits
+        else ("use more ranks, a smaller model, batch or --steps")
+    )
+    ranks = f"{comm.size} rank" + ("s" if comm.size > 1 else "")
+    raise MemoryBudgetError(
+        f"this run would need {need / mib:,.1f} MiB per rank ({tc.strategy} on {ranks}, "
+        f"predicted before allocating anything), more than {what}: {hint}"
+    )
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux), or None where it cannot be read."""
     try:
-        result, problem = work(), None
-    except REFUSALS as err:
-        result, problem = None, (type(err).__name__, str(err))
-    problems = comm.allgather_objects(problem)
-    failed = [p for p in problems if p is not None]
-    if not failed:
-        return result
-    lines = []
-    for kind, text in dict.fromkeys(failed):
-        ranks = [r for r, p in enumerate(problems) if p == (kind, text)]
-        where = "" if len(ranks) == len(problems) else f" (on rank {', '.join(map(str, ranks))})"
-        lines.append(text + where)
-    raise {cls.__name__: cls for cls in REFUSALS}[failed[0][0]]("\n".join(lines))
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def run(
@@ -204,13 +242,24 @@ def run(
     """
     comm, rc, tc = comm or Comm(), run_config or RunConfig(), train_config
 
-    def validate_and_load() -> Dataset:
+    def prepare() -> Dataset:
         tc.validate(comm.size)
         model_config.validate()
         rc.validate()
+        if rc.resume is None and rc.checkpoint_dir is not None and not rc.overwrite:
+            existing = find_checkpoint(rc.checkpoint_dir)
+            if existing is not None:
+                raise ConfigError(
+                    f"{existing} already holds a checkpoint: continue it with --resume "
+                    f"{rc.checkpoint_dir.parent}, or replace it with --overwrite"
+                )
+        check_memory(model_config, tc, comm)
         return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
 
-    data = together(comm, validate_and_load)
+    data = together(comm, prepare, REFUSALS)
+    settings = comm.allgather_objects((asdict(model_config), tc.to_dict()))
+    if any(other != settings[0] for other in settings):  # every rank sees the same list
+        raise ConfigError("the ranks were started with different settings: give all the same flags")
     rng = make_rng(tc.seed, tc.c_compat)
     model = MLP(model_config)
     params = model.init_params(rng)
@@ -220,36 +269,64 @@ def run(
     history = History.for_steps(model_config, tc, comm.size)
     if rc.trace_memory:
         tracemalloc.start()
-    strategy = together(comm, lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger))
+    strategy = together(
+        comm, lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger), REFUSALS
+    )
     strategy.load_params(params)
     del params  # the strategy holds the parameters now, laid out its way
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch, rng)
     configs = (asdict(model_config), tc.to_dict())
     first_step = 0
     if rc.resume is not None:
-        first_step = together(
-            comm, lambda: load_checkpoint(rc.resume, strategy, rng, *configs, reshard=rc.reshard)
+        manifest = together(
+            comm,
+            lambda: load_checkpoint(rc.resume, strategy, rng, *configs, reshard=rc.reshard),
+            REFUSALS,
         )
-        for series in (history.losses, history.local_losses, history.step_seconds):
-            series[:first_step] = np.nan  # those steps ran before the checkpoint
+        loaded = comm.allgather_objects(manifest["files"])
+        if any(files != loaded[0] for files in loaded):  # every rank sees the same list
+            raise CheckpointError(
+                "the ranks loaded different checkpoints: give all the same --resume"
+            )
+        first_step = manifest["step"]
+        history.losses[:first_step] = manifest["losses"]  # the checkpoint carries them
+        for series in (history.local_losses, history.step_seconds):
+            series[:first_step] = np.nan  # this rank's figures of an earlier process
+        history.resumed_from = {
+            "path": manifest["path"],
+            "step": first_step,
+            "strategy": manifest["strategy"],
+            "world_size": manifest["world_size"],
+            "batch": manifest["train_config"]["batch"],
+        }
 
-    for step in range(first_step, tc.steps):
-        start = time.perf_counter()
-        X, Y = sampler.next()
-        X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
-        if step == rc.timeline_step:
-            ledger.timeline = [("start", ledger.live_total)]
-        local_loss = train_step(model, strategy, X, Y)
-        if step == rc.timeline_step:
-            history.timeline, ledger.timeline = ledger.timeline, None
-        loss = comm.mean_scalar(local_loss)
-        history.step_seconds[step] = time.perf_counter() - start
-        history.losses[step] = loss
-        history.local_losses[step] = local_loss
-        if on_log is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
-            on_log(step, loss)
-        if rc.save_every and ((step + 1) % rc.save_every == 0 or step == tc.steps - 1):
-            save_checkpoint(rc.checkpoint_dir, strategy, step + 1, rng, *configs)
+    # overflow and log(0) are expected when training diverges: the loss check below says so
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        for step in range(first_step, tc.steps):
+            start = time.perf_counter()
+            X, Y = sampler.next()
+            X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
+            if step == rc.timeline_step:
+                ledger.timeline = [("start", ledger.live_total)]
+            local_loss = train_step(model, strategy, X, Y)
+            if step == rc.timeline_step:
+                history.timeline, ledger.timeline = ledger.timeline, None
+            loss = comm.mean_scalar(local_loss)
+            if not math.isfinite(loss):  # the same global loss on every rank: all stop here
+                last = history.losses[first_step:step]
+                raise Diverged(
+                    f"the loss became {loss} at step {step} (the last finite loss: "
+                    f"{last[-1] if len(last) else 'none'}): lower the learning rate (--lr)"
+                )
+            history.step_seconds[step] = time.perf_counter() - start
+            history.losses[step] = loss
+            history.local_losses[step] = local_loss
+            if on_log is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
+                on_log(step, loss)
+            if rc.save_every and ((step + 1) % rc.save_every == 0 or step == tc.steps - 1):
+                save_checkpoint(
+                    rc.checkpoint_dir, strategy, step + 1, rng, *configs, history.losses
+                )
 
     history.traffic = comm.traffic_report()
     if tc.eval_batches:

@@ -188,5 +188,5 @@ def test_python_api_raises_config_errors():
         TrainConfig(optimizer="rmsprop").validate()
     with pytest.raises(ConfigError, match="hidden must be a positive integer"):
         ModelConfig(hidden=0).validate()
-    with pytest.raises(ConfigError, match="lr must be positive"):
+    with pytest.raises(ConfigError, match="lr must be a positive finite number"):
         TrainConfig(lr=0.0).validate()

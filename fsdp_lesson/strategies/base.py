@@ -41,6 +41,12 @@ class Strategy:
     """Common state: the model, the optimizer, the Comm, the ledger, and each layer's FlatParam."""
 
     name = "base"
+    stage = 0  # the strategy's row of the sharding table, set from its name
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # a variant under a name of its own (a notebook's) keeps its parent's row
+        cls.stage = ZERO_STAGE.get(cls.name, cls.stage)
 
     def __init__(self, model: MLP, optimizer, comm: Comm, ledger: MemoryLedger) -> None:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
@@ -54,9 +60,9 @@ class Strategy:
         A shard is 1/N of the padded vector; a whole vector is padded only where a collective
         cuts it into N chunks (from zero1 on), so dp and single hold exactly numel.
         """
-        if is_sharded(self.name, category):
+        if is_sharded(self.stage, category):
             return flat.shard_size
-        return flat.padded_numel if ZERO_STAGE[self.name] > 0 else flat.numel
+        return flat.padded_numel if self.stage > 0 else flat.numel
 
     def alloc_per_layer(self, category: str, label: str) -> dict[str, np.ndarray]:
         """One zeroed flat float32 array per layer, sized by the table, counted by the ledger."""
@@ -86,9 +92,11 @@ class Strategy:
         """
         state = {}
         for name, params in self.param_arrays().items():
-            state[f"{name}.params"] = StateArray(params, name, is_sharded(self.name, "params"))
+            state[f"{name}.params"] = StateArray(params, name, is_sharded(self.stage, "params"))
             for key, array in self.opt_state[name].items():
-                state[f"{name}.{key}"] = StateArray(array, name, is_sharded(self.name, "optimizer"))
+                state[f"{name}.{key}"] = StateArray(
+                    array, name, is_sharded(self.stage, "optimizer")
+                )
         return state
 
     def load_state(self, vectors: dict[str, np.ndarray], optimizer_steps: int = 0) -> None:
