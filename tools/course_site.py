@@ -65,18 +65,15 @@ def write_page(nb: nbformat.NotebookNode, path: Path) -> None:
 def nav_bar(previous: tuple[str, str] | None, following: tuple[str, str] | None) -> str:
     """A bar of links: ← the previous page, the index, the next page → ((file, title) each)."""
 
-    def link(page: tuple[str, str] | None, arrow: str, css: str) -> str:
+    def link(page: tuple[str, str] | None, rel: str) -> str:
         if page is None:
-            return f'<span class="{css}"></span>'
+            return f'<span class="{rel}"></span>'
         file, title = page
-        text = f"← {html.escape(title)}" if arrow == "←" else f"{html.escape(title)} →"
-        return f'<span class="{css}"><a href="{file}" rel="{css}">{text}</a></span>'
+        text = f"← {html.escape(title)}" if rel == "prev" else f"{html.escape(title)} →"
+        return f'<span class="{rel}"><a href="{file}" rel="{rel}">{text}</a></span>'
 
-    return (
-        f'<nav class="course-nav">{link(previous, "←", "prev")}'
-        f'<span class="index"><a href="index.html">contents</a></span>'
-        f"{link(following, '→', 'next')}</nav>"
-    )
+    index = '<span class="index"><a href="index.html">contents</a></span>'
+    return f'<nav class="course-nav">{link(previous, "prev")}{index}{link(following, "next")}</nav>'
 
 
 def with_nav(page: str, nav: str) -> str:
