@@ -1,6 +1,7 @@
 # make run   execute the whole lesson on a local 4-engine MPI cluster; HTML in build/html/
 # make test  the whole test suite (unit, MPI, notebooks); leaves no process running
 # make lab   JupyterLab with a 4-engine MPI cluster
+# make student  student copies of the notebooks, solutions replaced by stubs, in build/student/
 # Each creates .venv and installs the project into it when missing (needs only python3 and make).
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test lab clean
+.PHONY: run test lab student clean
 
 $(VENV)/installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ test: $(VENV)/installed
 
 lab: $(VENV)/installed
 	$(PY) tools/lesson.py lab
+
+student: $(VENV)/installed
+	$(PY) tools/student.py
 
 clean:
 	rm -rf build .pytest_cache

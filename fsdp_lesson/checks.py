@@ -4,7 +4,8 @@
     check("n_rows", answer, expected) ✓ n_rows: correct | ✗ n_rows: expected 5, got 4 — hint
 
 Both print one line with deterministic text and return a bool; neither raises, so a wrong
-answer in a notebook shows a ✗ and the notebook carries on.
+answer in a notebook shows a ✗ and the notebook carries on. An exercise's placeholder (None or
+..., also inside a list, tuple or dict: what a student copy's stubs return) prints NOT_SOLVED.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 NAME_WIDTH = 10  # compare's names are padded to this width so that the verdicts line up
+NOT_SOLVED = "not solved yet"  # what both print for a placeholder answer (tools/student.py's stubs)
 
 
 def _diff_text(diff: float) -> str:
@@ -21,9 +23,15 @@ def _diff_text(diff: float) -> str:
 
 def compare(name: str, a, b, atol: float = 1e-6) -> bool:
     """Print `name exact`, `name approx  max diff D` or `name DIFFERS max diff D`; True if
-    a and b have the same shape and agree within atol (max absolute difference)."""
-    a, b = np.asarray(a), np.asarray(b)
+    a and b have the same shape and agree within atol (max absolute difference).
+
+    a is the one under test: a placeholder there prints `name not solved yet`.
+    """
     label = f"{name:<{NAME_WIDTH}}"
+    if not_solved(a):
+        print(f"{label} {NOT_SOLVED}")
+        return False
+    a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         print(f"{label} DIFFERS shape {a.shape} vs {b.shape}")
         return False
@@ -50,11 +58,14 @@ def _show(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _not_answered(answer) -> bool:
+def not_solved(answer) -> bool:
+    """True for an exercise's placeholder: None or ..., or a list, tuple or dict holding one."""
     if answer is None or answer is Ellipsis:
         return True
+    if isinstance(answer, dict):
+        answer = list(answer.values())
     if isinstance(answer, (list, tuple)):
-        return any(_not_answered(item) for item in answer)
+        return any(not_solved(item) for item in answer)
     return False
 
 
@@ -76,12 +87,12 @@ def _equal(answer, expected, atol: float | None) -> bool:
 def check(name: str, answer, expected, hint: str = "", atol: float | None = None) -> bool:
     """Print `✓ name: correct` or `✗ name: ...` with the hint; True when answer == expected.
 
-    An answer still None or ... (the exercise's placeholder) prints `✗ name: not answered yet`
+    An answer still None or ... (the exercise's placeholder) prints `✗ name: not solved yet`
     without giving the expected value away. Arrays compare elementwise (within atol if given).
     """
     tail = f" — {hint}" if hint else ""
-    if _not_answered(answer):
-        print(f"✗ {name}: not answered yet{tail}")
+    if not_solved(answer):
+        print(f"✗ {name}: {NOT_SOLVED}{tail}")
         return False
     if _equal(answer, expected, atol):
         print(f"✓ {name}: correct")

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from fsdp_lesson.checks import check, compare
+from fsdp_lesson.checks import check, compare, not_solved
 
 
 def test_compare_exact(capsys):
@@ -45,6 +45,21 @@ def test_compare_long_name_keeps_a_space(capsys):
     assert capsys.readouterr().out == "a_rather_long_name exact\n"
 
 
+def test_compare_placeholder_is_not_solved(capsys):
+    assert compare("fc1.W", None, np.zeros(3)) is False
+    assert compare("grads", [np.zeros(3), None], [np.zeros(3), np.zeros(3)]) is False
+    assert capsys.readouterr().out.splitlines() == [
+        "fc1.W      not solved yet",
+        "grads      not solved yet",
+    ]
+
+
+def test_not_solved_is_what_the_stubs_leave():
+    assert not_solved(None) and not_solved(...) and not_solved((None, None))
+    assert not_solved([np.zeros(2), None]) and not_solved({"a": 1, "b": None})
+    assert not not_solved(0) and not not_solved([]) and not not_solved(np.zeros(2))
+
+
 def test_compare_output_is_the_same_twice(capsys):
     a, b = np.linspace(0, 1, 50), np.linspace(0, 1, 50) + 1.23456e-9
     compare("w", a, b)
@@ -69,15 +84,17 @@ def test_check_wrong_scalar_without_hint(capsys):
     assert capsys.readouterr().out == "✗ params: expected 18635, got 18634\n"
 
 
-def test_check_placeholder_is_not_answered_and_hides_the_answer(capsys):
+def test_check_placeholder_is_not_solved_and_hides_the_answer(capsys):
     assert check("rows", None, [2, 10, 18, 26], hint="b % N == rank") is False
     assert check("rows", [None, None], [2, 5]) is False
     assert check("rows", ..., 3) is False
+    assert check("shards", {"fc1": (3, None)}, {"fc1": (3, 1)}) is False
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        "✗ rows: not answered yet — b % N == rank",
-        "✗ rows: not answered yet",
-        "✗ rows: not answered yet",
+        "✗ rows: not solved yet — b % N == rank",
+        "✗ rows: not solved yet",
+        "✗ rows: not solved yet",
+        "✗ shards: not solved yet",
     ]
     assert "26" not in "".join(out)
 

@@ -1,6 +1,6 @@
 """What `make run`, `make test` and `make lab` do: each with a local 4-engine MPI cluster.
 
-    python tools/lesson.py run    execute every notebook in order, render HTML to build/html/
+    python tools/lesson.py run    execute every notebook in order, HTML site in build/html/
     python tools/lesson.py test   the whole test suite: unit, MPI (mpiexec) and nbval
     python tools/lesson.py lab    JupyterLab beside a running cluster
 
@@ -58,8 +58,8 @@ def run_lesson(notebooks: list[Path]) -> int:
     The executed copies go to build/html/ only: the committed notebooks stay as they are.
     """
     import nbformat
-    from execute_notebooks import execute  # tools/, beside this file
-    from nbconvert import HTMLExporter
+    from course_site import link_pages, write_page  # tools/, beside this file
+    from execute_notebooks import execute
 
     prepare_environment()
     os.environ["FSDP_LESSON_DOCS"] = "1"  # notebook 06 saves the README's plots to docs/
@@ -76,11 +76,11 @@ def run_lesson(notebooks: list[Path]) -> int:
             except Exception as err:  # report and go on with the next notebook
                 status = f"FAILED: {type(err).__name__}: {str(err).strip().splitlines()[-1]}"
             seconds = time.perf_counter() - start
-            body, _ = HTMLExporter().from_notebook_node(nb)
-            (html_dir / f"{path.stem}.html").write_text(body, encoding="utf-8")
+            write_page(nb, html_dir / f"{path.stem}.html")
             summary.append((path.name, status, seconds))
             print(f"{path.name:40s} {status} ({seconds:.1f} s)", flush=True)
-    print(f"\nSummary (HTML in {html_dir}/):")
+    link_pages(html_dir)  # index.html, prev/next links
+    print(f"\nSummary (HTML in {html_dir}/, start at index.html):")
     for name, status, seconds in summary:
         print(f"  {name:40s} {status:12s} {seconds:6.1f} s")
     return 0 if all(status == "executed OK" for _, status, _ in summary) else 1
