@@ -48,9 +48,12 @@ class ClusterError(RuntimeError):
 class RankError(RuntimeError):
     """A rank raised an exception (or its engine died) inside Ranks.run."""
 
-    def __init__(self, rank: int, ename: str, evalue: str, detail: str = "") -> None:
-        self.rank, self.ename, self.evalue = rank, ename, evalue
-        super().__init__(f"rank {rank} raised {ename}: {evalue}{detail}")
+    def __init__(
+        self, rank: int, ename: str, evalue: str, detail: str = "", engine: int | None = None
+    ) -> None:
+        self.rank, self.ename, self.evalue, self.engine = rank, ename, evalue, engine
+        who = f"rank {rank}" + ("" if engine is None else f" (engine {engine})")
+        super().__init__(f"{who} raised {ename}: {evalue}{detail}")
 
 
 def _how_to_fix(n: int, profile: str, owned: bool) -> str:
@@ -136,6 +139,24 @@ def _check_engine_count(cluster: ipp.Cluster, n: int, fix: str) -> None:
         )
 
 
+def _check_engines_alive(cluster: ipp.Cluster, fix: str) -> None:
+    """Refuse at once a running cluster whose engines are gone (their MPI job has ended).
+
+    When one engine of an MPI job dies, mpiexec ends the whole job; the controller keeps
+    listing the engines until their heartbeats time out, and waiting for them would only
+    wait out the timeout.
+    """
+    # the pid of each engine set's launcher process (mpiexec); other launchers record none (-1)
+    pids = [getattr(engine_set, "pid", None) for engine_set in cluster.engines.values()]
+    pids = [pid for pid in pids if isinstance(pid, int) and pid > 0]
+    if pids and not any(psutil.pid_exists(pid) for pid in pids):
+        raise ClusterError(
+            f"The running cluster's engines are gone (their MPI job, pid "
+            f"{', '.join(map(str, pids))}, has ended: an engine died or was stopped). "
+            f"Fix: {fix}"
+        )
+
+
 def _running_cluster(profile: str) -> ipp.Cluster | None:
     """The cluster `ipcluster start` runs for this profile, or None (stale files count as none)."""
     try:
@@ -175,6 +196,7 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
     try:
         if not owned:
             _check_engine_count(cluster, n, fix)
+            _check_engines_alive(cluster, fix)
         _wait_for_engines(client, n, timeout, fix)
         ids_by_rank = _ids_in_rank_order(client, n, timeout, fix)
     except ClusterError:
@@ -272,6 +294,7 @@ class Ranks:
         When several ranks fail (often all alike), the lowest one is named, so the message
         is the same run after run.
         """
+        targets = list(self.view.targets)  # engine ids by rank, before any restart renews them
         concurrent.futures.wait([p for p in per_rank if not p.done()], timeout=_GRACE_SECONDS)
         stuck = [r for r, part in enumerate(per_rank) if not part.done()]
         rank = min(r for r, part in enumerate(per_rank) if part.done() and part.exception())
@@ -287,8 +310,10 @@ class Ranks:
                 f"Ranks {stuck} were still running, probably waiting for rank {rank} in MPI"
             )
         remote_tb = _strip_ansi(getattr(err, "traceback", None) or "")
+        # ipyparallel names engines by id, this message by rank: say both, one way
+        remote_tb = re.sub(r"\bEngine (\d+)\b", lambda m: _as_rank(targets, m), remote_tb)
         detail = note + (f"\n\nTraceback on rank {rank}:\n{remote_tb}" if remote_tb else "")
-        raise RankError(rank, ename, evalue, detail) from err
+        raise RankError(rank, ename, evalue, detail, engine=targets[rank]) from err
 
     def _recover(self, what: str) -> str:
         """Restart the engines after `what` went wrong; return a note for the error message."""
@@ -432,6 +457,12 @@ def report_progress(step: int, loss: float) -> None:
     kernel = sys.modules.get("ipyparallel.engine.kernel")  # imported only inside an engine
     if kernel is not None and kernel.IPythonParallelKernel.initialized():
         publish_data({"step": int(step), "loss": float(loss)})
+
+
+def _as_rank(targets: list[int], match: re.Match) -> str:
+    """'Engine 0' as 'rank 2 (engine 0)' when engine 0 is rank 2 (engine ids are not ranks)."""
+    engine = int(match[1])
+    return f"rank {targets.index(engine)} (engine {engine})" if engine in targets else match[0]
 
 
 def _noninteractive() -> bool:

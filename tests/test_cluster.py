@@ -209,7 +209,9 @@ def test_exception_on_one_rank_raises_promptly_and_engines_recover(own):
     assert time.monotonic() - start < 60
     assert info.value.rank == 2 and info.value.ename == "ValueError"
     message = str(info.value)
-    assert message.startswith("rank 2 raised ValueError: rank 2 refuses")
+    assert message.startswith(
+        f"rank 2 (engine {info.value.engine}) raised ValueError: rank 2 refuses"
+    )
     assert "restarted" in message
     assert own.run(rank_and_size) == [(r, 4) for r in range(4)]
 
@@ -236,7 +238,24 @@ def test_engine_that_dies_is_an_error_not_a_hang(own):
     assert time.monotonic() - start < 30
     assert info.value.rank == 1  # the lost rank is named, not whichever engine reported first
     assert "the engine of rank 1" in str(info.value) and "restarted" in str(info.value)
+    engine = info.value.engine
+    assert str(info.value).startswith(f"rank 1 (engine {engine}) raised EngineError")
+    assert f"Engine {engine} died" not in str(info.value)  # one name: rank, engine in brackets
     assert own.run(rank_and_size) == [(r, 4) for r in range(4)]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_connect_to_a_cluster_whose_engines_died_says_so_at_once(tmp_path):
+    with ipcluster(4, "mpi", "dies") as cluster:
+        launcher = next(iter(cluster.engines.values())).pid  # mpiexec of the engines
+        os.kill(launcher, signal.SIGKILL)
+        assert wait_until_gone([launcher]) == []
+        start = time.monotonic()
+        with pytest.raises(ClusterError, match="engines are gone") as info:
+            connect(n=4, profile="dies", timeout=60)
+        assert time.monotonic() - start < 10
+        assert "Fix: ipcluster stop --profile=dies; ipcluster start" in str(info.value)
 
 
 @ipp.interactive

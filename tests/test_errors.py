@@ -53,7 +53,7 @@ CASES = [
     ("unknown-strategy", ["--strategy", "zero4"], 2, "invalid choice: 'zero4'"),
     ("unknown-optimizer", ["--optimizer", "rmsprop"], 2, "invalid choice: 'rmsprop'"),
     ("steps-negative", ["--steps", "-1"], 1, "--steps: must be 0 or more, got -1"),
-    ("lr-negative", ["--lr", "-0.1"], 1, "--lr: must be positive, got -0.1"),
+    ("lr-negative", ["--lr", "-0.1"], 1, "--lr: must be a positive finite number, got -0.1"),
     ("hidden-zero", ["--hidden", "0"], 1, "--hidden: must be a positive integer, got 0"),
     ("layers-zero", ["--layers", "0"], 1, "--layers: must be a positive integer, got 0"),
     ("emb-not-a-number", ["--emb", "sixteen"], 1, "--emb: 'sixteen' is not an integer"),

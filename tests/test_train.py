@@ -105,7 +105,7 @@ def test_cli_train_prints_the_seed_lines_and_writes_out(tmp_path):
     "args, message",
     [
         (["--steps", "-3"], "--steps: must be 0 or more, got -3"),
-        (["--lr", "-1"], "--lr: must be positive"),
+        (["--lr", "-1"], "--lr: must be a positive finite number"),
         (["--strategy", "zero9"], "invalid choice: 'zero9'"),
         (["--optimizer", "lbfgs"], "invalid choice: 'lbfgs'"),
         (["--hidden", "x"], "'x' is not an integer"),
