@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import re
@@ -139,37 +140,43 @@ def _check_engine_count(cluster: ipp.Cluster, n: int, fix: str) -> None:
         )
 
 
-def _check_engines_alive(cluster: ipp.Cluster, fix: str) -> None:
-    """Refuse at once a running cluster whose engines are gone (their MPI job has ended).
+def _recorded_engine_sets(profile: str) -> int:
+    """How many engine sets the profile's cluster file records (from_file drops dead ones)."""
+    path = ipp.Cluster(profile=profile, cluster_id="", log=_log).cluster_file
+    try:
+        with open(path) as f:
+            return len((json.load(f).get("engines") or {}).get("sets", {}))
+    except (OSError, ValueError):
+        return 0
 
-    When one engine of an MPI job dies, mpiexec ends the whole job; the controller keeps
-    listing the engines until their heartbeats time out, and waiting for them would only
-    wait out the timeout.
+
+def _running_cluster(profile: str, n: int) -> ipp.Cluster | None:
+    """The cluster `ipcluster start` runs for this profile, or None (stale files count as none).
+
+    Raises ClusterError at once if its controller runs but its engines are gone: when one
+    engine of an MPI job dies, mpiexec ends them all, and waiting for them would only wait
+    out the timeout.
     """
-    # the pid of each engine set's launcher process (mpiexec); other launchers record none (-1)
-    pids = [getattr(engine_set, "pid", None) for engine_set in cluster.engines.values()]
-    pids = [pid for pid in pids if isinstance(pid, int) and pid > 0]
-    if pids and not any(psutil.pid_exists(pid) for pid in pids):
-        raise ClusterError(
-            f"The running cluster's engines are gone (their MPI job, pid "
-            f"{', '.join(map(str, pids))}, has ended: an engine died or was stopped). "
-            f"Fix: {fix}"
-        )
-
-
-def _running_cluster(profile: str) -> ipp.Cluster | None:
-    """The cluster `ipcluster start` runs for this profile, or None (stale files count as none)."""
+    recorded = _recorded_engine_sets(profile)
     try:
         cluster = ipp.Cluster.from_file(profile=profile, cluster_id="", log=_log)
     except FileNotFoundError:
         return None
-    # from_file checks the recorded controller pid: a dead controller leaves `controller` None.
-    return cluster if cluster.controller is not None else None
+    # from_file checks the recorded controller pid: a dead controller leaves `controller` None;
+    # and it drops every engine set whose launcher (mpiexec) is no longer running.
+    if cluster.controller is None:
+        return None
+    if len(cluster.engines) < recorded:
+        raise ClusterError(
+            f"The running cluster's engines are gone (their MPI job has ended: an engine died "
+            f"or was stopped). Fix: {_how_to_fix(n, profile, owned=False)}"
+        )
+    return cluster
 
 
 def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
     """Connect to the running ipcluster of `profile` (or start one); check it is one MPI world."""
-    cluster = _running_cluster(profile)
+    cluster = _running_cluster(profile, n)
     owned = cluster is None
     if owned:  # start our own; ipyparallel stops it when Python exits (shutdown_atexit)
         cluster = ipp.Cluster(
@@ -196,7 +203,6 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
     try:
         if not owned:
             _check_engine_count(cluster, n, fix)
-            _check_engines_alive(cluster, fix)
         _wait_for_engines(client, n, timeout, fix)
         ids_by_rank = _ids_in_rank_order(client, n, timeout, fix)
     except ClusterError:

@@ -340,7 +340,10 @@ def test_a_killed_kernel_leaves_no_cluster_behind(tmp_path):
     )
     kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        started = json.loads(kernel.stdout.readline())
+        line = kernel.stdout.readline()
+        while not line.startswith("{"):  # connect() says which cluster it uses first
+            line = kernel.stdout.readline()
+        started = json.loads(line)
     finally:
         kernel.kill()
         kernel.wait()
