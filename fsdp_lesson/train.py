@@ -118,6 +118,7 @@ class History:
     memory: dict = field(default_factory=dict)  # this rank's ledger report
     traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
     timeline: list = field(default_factory=list)  # (event, live bytes) over one step, if asked
+    trace: list = field(default_factory=list)  # (lane, what, start s, end s) of one step, if asked
 
     @classmethod
     def for_steps(cls, model_config: ModelConfig, train_config: TrainConfig, world_size: int):
@@ -213,16 +214,24 @@ def run(
     data = together(comm, validate_and_load)
     rng = make_rng(tc.seed, tc.c_compat)
     model = MLP(model_config)
-    params = model.init_params(rng)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
     optimizer = make_optimizer(tc.optimizer, tc.lr)
     history = History.for_steps(model_config, tc, comm.size)
     if rc.trace_memory:
         tracemalloc.start()
-    strategy = together(comm, lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger))
-    strategy.load_params(params)
-    del params  # the strategy holds the parameters now, laid out its way
+    options = {}
+    if tc.strategy == "zero3":
+        options = dict(
+            layers_per_unit=tc.layers_per_unit,
+            prefetch=tc.prefetch,
+            reshard_after_forward=tc.reshard_after_forward,
+            replicate=tc.replicate,
+        )
+    strategy = together(
+        comm, lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger, **options)
+    )
+    together(comm, lambda: strategy.init_params(rng))  # layer by layer, only what it holds
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch, rng)
     configs = (asdict(model_config), tc.to_dict())
     first_step = 0
@@ -239,9 +248,16 @@ def run(
         X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
         if step == rc.timeline_step:
             ledger.timeline = [("start", ledger.live_total)]
+        if step == rc.trace_step:
+            strategy.trace = []  # zero3 records its compute and collective spans
         local_loss = train_step(model, strategy, X, Y)
         if step == rc.timeline_step:
             history.timeline, ledger.timeline = ledger.timeline, None
+        if step == rc.trace_step:
+            history.trace = [
+                (lane, what, a - start, b - start) for lane, what, a, b in strategy.trace
+            ]
+            strategy.trace = None
         loss = comm.mean_scalar(local_loss)
         history.step_seconds[step] = time.perf_counter() - start
         history.losses[step] = loss
