@@ -166,6 +166,37 @@ def build_parser() -> Parser:
         help="per-rank budget in MiB: a run that would need more is refused",
     )
     train.add_argument(
+        "--layers-per-unit",
+        type=positive_int,
+        default=d.layers_per_unit,
+        help="zero3: gather, free and reduce-scatter K consecutive layers as one unit",
+    )
+    train.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=d.prefetch,
+        help="zero3: gather the next unit and reduce-scatter gradients while computing",
+    )
+    train.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="zero3: keep each unit gathered from forward to backward (2x instead of 3x traffic)",
+    )
+    train.add_argument(
+        "--replicate",
+        type=positive_int,
+        default=d.replicate,
+        help="zero3 HSDP: R replica groups of N/R ranks; shard within, average across",
+    )
+    train.add_argument(
+        "--trace-step",
+        type=nonnegative_int,
+        default=None,
+        help="record the wall-clock spans of this step's compute and collectives",
+    )
+    train.add_argument(
         "--save-every",
         type=positive_int,
         default=None,
@@ -234,6 +265,10 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         seed=args.seed,
         c_compat=args.c_compat,
         log_every=args.log_every,
+        layers_per_unit=args.layers_per_unit,
+        prefetch=args.prefetch,
+        reshard_after_forward=getattr(args, "reshard_after_forward", True),
+        replicate=args.replicate,
     )
     run_config = RunConfig(
         data=args.data,
@@ -242,6 +277,7 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         resume=checkpoint_in(args.resume),
         reshard=args.reshard,
         overwrite=args.overwrite,
+        trace_step=args.trace_step,
     )
     return model_config, train_config, run_config
 

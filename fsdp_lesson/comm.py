@@ -155,6 +155,70 @@ class Comm:
     def traffic_report(self) -> dict[str, dict]:
         return {kind: asdict(t) for kind, t in self.traffic.items()}
 
+    # --- non-blocking collectives and sub-communicators (zero3's prefetch, HSDP) ----------
+
+    def iallgather(self, shard: np.ndarray, full: np.ndarray) -> Request:
+        """Start full <- every rank's shard (MPI_Iallgather); the Request's wait() completes it."""
+        return self._start("allgather", full, shard, None, lambda: self.mpi.Iallgather(shard, full))
+
+    def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> Request:
+        """Start shard <- this rank's slice of the mean of `full` (MPI_Ireduce_scatter_block)."""
+        return self._start(
+            "reduce_scatter",
+            full,
+            full,
+            shard,
+            lambda: self.mpi.Ireduce_scatter_block(full, shard, op=self.MPI.SUM),
+        )
+
+    def _start(self, kind: str, full: np.ndarray, source, mean_into, issue) -> Request:
+        """Issue a non-blocking collective (one rank: copy at once); counted when waited for."""
+        issued = time.perf_counter()
+        if self.mpi is None or full.size == 0:
+            if self.mpi is None and mean_into is not None:
+                mean_into[...] = source
+            elif self.mpi is None:
+                full[...] = source
+            return Request(self, kind, full.nbytes, None, mean_into, issued)
+        return Request(self, kind, full.nbytes, issue(), mean_into, issued)
+
+    def split(self, color: int, key: int, name: str) -> Comm:
+        """The ranks with the same color, ordered by key (MPI_Comm_split), as a counted Comm.
+
+        Its traffic shows in this Comm's report as "<kind> (<name>)", e.g. "allgather (shard)".
+        """
+        child = Comm(None if self.mpi is None else self.mpi.Split(color, key))
+        for kind, traffic in child.traffic.items():
+            self.traffic[f"{kind} ({name})"] = traffic  # the same object: one count, two views
+        return child
+
+
+class Request:
+    """A collective in flight: wait() completes it (dividing for a mean) and counts it.
+
+    The seconds counted are those spent blocked in wait(); `issued` and `completed` are the
+    wall-clock span a timeline draws.
+    """
+
+    def __init__(self, comm: Comm, kind, nbytes, mpi_request, mean_into, issued) -> None:
+        self.comm, self.kind, self.nbytes = comm, kind, nbytes
+        self.mpi_request, self.mean_into, self.issued = mpi_request, mean_into, issued
+        self.completed: float | None = None
+
+    def test(self) -> bool:
+        """Let MPI progress the collective (MPI_Test); True once it is complete."""
+        return self.mpi_request is None or self.mpi_request.Test()
+
+    def wait(self) -> None:
+        if self.completed is not None:
+            return
+        with self.comm._count(self.kind, self.nbytes):
+            if self.mpi_request is not None:
+                self.mpi_request.Wait()
+                if self.mean_into is not None:
+                    self.mean_into /= self.mean_into.dtype.type(self.comm.size)
+        self.completed = time.perf_counter()
+
 
 def together(comm: Comm, work, refusals: tuple[type[Exception], ...]):
     """Run work() on every rank; if it raises one of `refusals` on any rank, raise it on all.

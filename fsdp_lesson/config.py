@@ -61,6 +61,11 @@ class TrainConfig:
     samples: int = 10  # names sampled at the end
     log_every: int = 100
     memory_budget_mb: float | None = None  # per rank; a run predicted to need more is refused
+    # zero3 only (FSDP's options): units, prefetch, reshard after forward, hybrid sharding
+    layers_per_unit: int = 1  # consecutive parameterised layers gathered as one unit
+    prefetch: bool = True  # gather the next unit while this one computes (same numbers)
+    reshard_after_forward: bool = True  # False: keep units gathered from forward to backward
+    replicate: int = 1  # HSDP: R groups of N/R ranks; shard within, average across
 
     def __post_init__(self) -> None:
         if self.lr is None and self.optimizer in DEFAULT_LR:
@@ -96,6 +101,21 @@ class TrainConfig:
             "eval_batches and samples must be >= 0 and log_every >= 1",
         )
         _require(
+            self.layers_per_unit >= 1 and self.replicate >= 1,
+            "layers_per_unit and replicate must be positive integers",
+        )
+        _require(
+            self.strategy == "zero3"
+            or (self.layers_per_unit, self.reshard_after_forward, self.replicate) == (1, True, 1),
+            "--layers-per-unit, --no-reshard-after-forward and --replicate shape how zero3 "
+            "shards: use them with --strategy zero3",
+        )
+        _require(
+            world_size % self.replicate == 0,
+            f"--replicate {self.replicate} does not divide {world_size} ranks into equal "
+            f"groups: use a divisor of {world_size}",
+        )
+        _require(
             self.strategy != "single" or world_size == 1,
             f"strategy 'single' runs on one rank, but this run has {world_size}: "
             "use --strategy dp (or zero1/zero2/zero3), or run without mpiexec",
@@ -128,6 +148,7 @@ class RunConfig:
     overwrite: bool = False  # a fresh run may replace a checkpoint already in checkpoint_dir
     trace_memory: bool = False  # also measure the peak with tracemalloc (slower)
     timeline_step: int | None = None  # record the ledger's every change during this step
+    trace_step: int | None = None  # record the wall-clock spans of compute and collectives
 
     def validate(self) -> None:
         _require(

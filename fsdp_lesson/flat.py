@@ -43,13 +43,18 @@ class FlatParam:
         return out
 
     def copy_shard(self, arrays: dict[str, np.ndarray], rank: int, out: np.ndarray) -> np.ndarray:
-        """Copy rank's shard of the flat vector straight from shaped arrays: no full vector."""
+        """Copy rank's shard of the flat vector straight from shaped arrays: no full vector.
+
+        `arrays` may hold only some of the parameters (one layer of a unit, as initialisation
+        draws them): those parts of the shard are written, the rest is left as it is, and the
+        padding is zeroed.
+        """
         start, stop = self.shard_range(rank)
-        out[...] = 0  # the padding
+        out[max(self.numel - start, 0) :] = 0  # the padding in this shard
         offset = 0
         for name, size in self.sizes.items():
             lo, hi = max(start, offset), min(stop, offset + size)  # the overlap with this array
-            if lo < hi:
+            if lo < hi and name in arrays:
                 out[lo - start : hi - start] = arrays[name].reshape(-1)[lo - offset : hi - offset]
             offset += size
         return out

@@ -9,6 +9,8 @@ whoever calls it decides where p and g live, which is exactly what the strategie
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from .config import ModelConfig
@@ -113,16 +115,25 @@ class MLP:
     def num_params(self) -> int:
         return sum(int(np.prod(s)) for layer in self.layers for s in layer.shapes.values())
 
-    def init_params(self, rng: Rng, dtype=np.float32) -> dict[str, Params]:
-        """Uniform in [-k, k] as the seed's he_init(k) = 2k*u - k, drawn layer by layer in order."""
-        params = {}
+    def init_layers(self, rng: Rng, dtype=np.float32) -> Iterator[tuple[object, Params]]:
+        """Each layer's initial parameters in turn, drawn in the seed's order: one layer at a time.
+
+        Uniform in [-k, k] as the seed's he_init(k) = 2k*u - k. A caller that keeps only a
+        shard of each layer still draws every layer, so the random stream is the same at any N.
+        """
         for layer in self.layers:
             k = np.float32(layer.init_scale)
-            params[layer.name] = {}
+            params = {}
             for name, shape in layer.shapes.items():
                 u = rng.uniform(int(np.prod(shape))).reshape(shape)  # float32 in [0, 1]
-                params[layer.name][name] = (np.float32(2) * k * u - k).astype(dtype)
-        return params
+                u *= np.float32(2) * k  # in place: the layer's values are its only copy
+                u -= k
+                params[name] = u.astype(dtype, copy=False)
+            yield layer, params
+
+    def init_params(self, rng: Rng, dtype=np.float32) -> dict[str, Params]:
+        """Every layer's initial parameters at once (the reference; strategies use init_layers)."""
+        return {layer.name: params for layer, params in self.init_layers(rng, dtype)}
 
 
 def loss_and_grads(

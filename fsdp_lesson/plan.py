@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .config import ModelConfig
 from .model import MLP
 from .sharding import STRATEGIES, ZERO_STAGE, is_sharded
+from .units import make_units
 
 STAGES = tuple(s for s in STRATEGIES if s != "single")  # what one plans for N ranks
 
@@ -92,22 +93,59 @@ def activation_peak(model_config: ModelConfig, micro_batch: int) -> int:
     return peak
 
 
+def gathered_peak(units: list[int], prefetch: bool, reshard_after_forward: bool) -> int:
+    """zero3's peak of gathered parameters and full gradients, from its units' full bytes.
+
+    Replays the order of zero3's allocations: forward holds unit u (and u+1 when
+    prefetching; without resharding, every unit so far); backward holds u's parameters and
+    gradient, u-1's prefetched parameters, and u+1's gradient while it is reduce-scattered.
+    """
+    peak, count = 0, len(units)
+    for u in range(count):  # forward
+        held = sum(units[: u + 1]) if not reshard_after_forward else units[u]
+        ahead = units[u + 1] if prefetch and u + 1 < count else 0
+        peak = max(peak, held + ahead)
+    for u in reversed(range(count)):  # backward
+        if reshard_after_forward:
+            params = units[u] + (units[u - 1] if prefetch and u > 0 else 0)
+        else:
+            params = sum(units[: u + 1])  # kept since forward, freed after each backward
+        grads = units[u] + (units[u + 1] if prefetch and u + 1 < count else 0)
+        peak = max(peak, params + grads)
+    return peak
+
+
 def ledger_bytes(
-    strategy: str, model_config: ModelConfig, n: int, optimizer: str, micro_batch: int
+    strategy: str,
+    model_config: ModelConfig,
+    n: int,
+    optimizer: str,
+    micro_batch: int,
+    *,
+    layers_per_unit: int = 1,
+    prefetch: bool = True,
+    reshard_after_forward: bool = True,
+    replicate: int = 1,
 ) -> dict:
-    """What MemoryLedger's peaks per category will be for this run, to the byte."""
+    """What MemoryLedger's peaks per category will be for this run, to the byte.
+
+    The keyword arguments are zero3's options (TrainConfig's fields of the same names).
+    """
     sizes = layer_sizes(model_config)
-    psi = sum(sizes)
-    psi_pad, largest = sum(padded(s, n) for s in sizes), max(padded(s, n) for s in sizes)
-    if strategy in ("single", "dp"):
-        psi_pad, largest = psi, 0
-    state = state_bytes(
-        strategy,
-        psi_pad,
-        n,
-        FP32_ADAM if optimizer == "adam" else FP32_SGD,
-    )
-    buffers = {"zero2": 4 * largest, "zero3": 2 * 4 * largest}.get(strategy, 0)
+    precision = FP32_ADAM if optimizer == "adam" else FP32_SGD
+    init = 4 * max(sizes)  # initialisation draws one layer at a time (Strategy.init_params)
+    if strategy == "zero3":
+        group = n // replicate  # the ranks that shard; HSDP replicates R such groups
+        units = make_units(MLP(model_config).layers, layers_per_unit, group)
+        state = state_bytes(strategy, sum(u.flat.padded_numel for u in units), group, precision)
+        full = [4 * u.flat.padded_numel for u in units if u.flat.numel]
+        buffers = max(init, gathered_peak(full, prefetch, reshard_after_forward))
+    else:
+        psi_pad, largest = sum(padded(s, n) for s in sizes), max(padded(s, n) for s in sizes)
+        if strategy in ("single", "dp"):
+            psi_pad, largest = sum(sizes), 0
+        state = state_bytes(strategy, psi_pad, n, precision)
+        buffers = (4 * largest if strategy == "zero2" else 0) + init
     return {
         **{k: int(v) for k, v in state.items()},
         "buffers": buffers,

@@ -4,6 +4,7 @@ loss_curves({"single": losses, "dp": losses})            smoothed loss per step
 memory_bars({"dp": [peak of rank 0, ...]}, formula)       per-rank bytes by category
 traffic_bars({"dp": {"allreduce": bytes}}, formula)       bytes sent per step by collective
 collective_picture(before, after, "Allreduce")            what a collective does to 4 ranks
+timeline({"prefetch": [trace of rank 0, ...]})            one step's compute and collectives
 """
 
 from __future__ import annotations
@@ -125,3 +126,40 @@ def collective_picture(before: list[np.ndarray], after: list[np.ndarray], title:
     middle = ((left.x1 + right.x0) / 2, (left.y0 + left.y1) / 2)
     fig.text(*middle, "→", ha="center", va="center", fontsize=20)
     return fig
+
+
+LANE_COLORS = {"compute": "#4c72b0", "comm": "#dd8452"}
+
+
+def timeline(traces: dict[str, list[list]], ax: Axes | None = None) -> Figure:
+    """One row per rank and run, compute and communication on two lanes, over one step.
+
+    A trace is History.trace: (lane, what, start s, end s) spans from the step's start. A
+    collective's span runs from its issue to its completion (as seen by the rank's wait).
+    """
+    rows = [
+        (label, rank, trace)
+        for label, per_rank in traces.items()
+        for rank, trace in enumerate(per_rank)
+    ]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.7 * len(rows) + 1))
+    for row, (_label, _rank, trace) in enumerate(rows):
+        for lane, _what, start, end in trace:
+            y = row + (0.05 if lane == "compute" else 0.45)
+            ax.broken_barh(
+                [(1e3 * start, 1e3 * (end - start))], (y, 0.4), color=LANE_COLORS[lane], alpha=0.8
+            )
+    ax.set_yticks(np.arange(len(rows)) + 0.5, [f"{label} r{rank}" for label, rank, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step began")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in LANE_COLORS.values()]
+    ax.legend(
+        handles,
+        ["compute (per unit)", "collective (issue to completion)"],
+        fontsize=8,
+        loc="upper left",
+        bbox_to_anchor=(1, 1),
+    )
+    ax.figure.tight_layout()
+    return ax.figure

@@ -119,6 +119,7 @@ class History:
     traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
     timeline: list = field(default_factory=list)  # (event, live bytes) over one step, if asked
     resumed_from: dict | None = None  # the checkpoint this run continued, if any
+    trace: list = field(default_factory=list)  # (lane, what, start s, end s) of one step, if asked
 
     @classmethod
     def for_steps(cls, model_config: ModelConfig, train_config: TrainConfig, world_size: int):
@@ -172,20 +173,29 @@ class Diverged(ArithmeticError):
     """The loss became NaN or infinite: training stops there (the CLI exits with code 3)."""
 
 
+def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
+    """Bytes per rank: plan.ledger_bytes (exact, as the tests check) plus the step history."""
+    from . import plan
+
+    options = {}
+    if strategy == "zero3":
+        options = dict(
+            layers_per_unit=tc.layers_per_unit,
+            prefetch=tc.prefetch,
+            reshard_after_forward=tc.reshard_after_forward,
+            replicate=tc.replicate,
+        )
+    ledger = plan.ledger_bytes(strategy, model_config, n, tc.optimizer, tc.batch // n, **options)
+    return sum(ledger.values()) + 3 * 8 * tc.steps  # History: three float64 series
+
+
 def check_memory(model_config: ModelConfig, tc: TrainConfig, comm: Comm) -> None:
     """Refuse a run whose predicted peak per rank exceeds the budget or the machine's memory.
 
-    The prediction is plan.ledger_bytes (which the tests check against the ledger to the
-    byte) plus the per-step history; it is made before anything is allocated.
+    The prediction is made before anything is allocated, so nothing is half-built when a run
+    is refused, and the machine's OOM killer never has to step in.
     """
-    from . import plan
-
-    micro_batch = tc.batch // comm.size
-    need = sum(
-        plan.ledger_bytes(tc.strategy, model_config, comm.size, tc.optimizer, micro_batch).values()
-    )
-    need += 3 * 8 * tc.steps  # History: three float64 series
-    mib = 2**20
+    need, mib = predicted_peak(tc.strategy, model_config, tc, comm.size), 2**20
     if tc.memory_budget_mb is not None:
         allowed, what = tc.memory_budget_mb * mib, f"the budget of {tc.memory_budget_mb:g} MiB"
     else:
@@ -199,15 +209,15 @@ def check_memory(model_config: ModelConfig, tc: TrainConfig, comm: Comm) -> None
     fits = [
         s
         for s in ("zero1", "zero2", "zero3")
-        if sum(plan.ledger_bytes(s, model_config, comm.size, tc.optimizer, micro_batch).values())
-        + 3 * 8 * tc.steps
+        if predicted_peak(
+            s, model_config, TrainConfig(**(tc.to_dict() | {"strategy": s})), comm.size
+        )
         <= allowed
     ]
-    hint = (
-        f"--strategy {fits[0]} would fit"
-        if fits and tc.strategy not in fits
-        else ("use more ranks, a smaller model, batch or --steps")
-    )
+    if fits and tc.strategy not in fits:
+        hint = f"--strategy {fits[0]} would fit"
+    else:
+        hint = "use more ranks, a smaller model, batch or --steps"
     ranks = f"{comm.size} rank" + ("s" if comm.size > 1 else "")
     raise MemoryBudgetError(
         f"this run would need {need / mib:,.1f} MiB per rank ({tc.strategy} on {ranks}, "
@@ -253,6 +263,11 @@ def run(
                     f"{existing} already holds a checkpoint: continue it with --resume "
                     f"{rc.checkpoint_dir.parent}, or replace it with --overwrite"
                 )
+        if tc.replicate > 1 and (rc.save_every or rc.resume):
+            raise ConfigError(
+                "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
+                "replica group would save its copy; save or resume without --replicate"
+            )
         check_memory(model_config, tc, comm)
         return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
 
@@ -262,18 +277,27 @@ def run(
         raise ConfigError("the ranks were started with different settings: give all the same flags")
     rng = make_rng(tc.seed, tc.c_compat)
     model = MLP(model_config)
-    params = model.init_params(rng)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
     optimizer = make_optimizer(tc.optimizer, tc.lr)
     history = History.for_steps(model_config, tc, comm.size)
     if rc.trace_memory:
         tracemalloc.start()
+    options = {}
+    if tc.strategy == "zero3":
+        options = dict(
+            layers_per_unit=tc.layers_per_unit,
+            prefetch=tc.prefetch,
+            reshard_after_forward=tc.reshard_after_forward,
+            replicate=tc.replicate,
+        )
     strategy = together(
-        comm, lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger), REFUSALS
+        comm,
+        lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger, **options),
+        REFUSALS,
     )
-    strategy.load_params(params)
-    del params  # the strategy holds the parameters now, laid out its way
+    # layer by layer, each rank only what it holds
+    together(comm, lambda: strategy.init_params(rng), REFUSALS)
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch, rng)
     configs = (asdict(model_config), tc.to_dict())
     first_step = 0
@@ -308,9 +332,16 @@ def run(
             X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
             if step == rc.timeline_step:
                 ledger.timeline = [("start", ledger.live_total)]
+            if step == rc.trace_step:
+                strategy.trace = []  # zero3 records its compute and collective spans
             local_loss = train_step(model, strategy, X, Y)
             if step == rc.timeline_step:
                 history.timeline, ledger.timeline = ledger.timeline, None
+            if step == rc.trace_step:
+                history.trace = [
+                    (lane, what, a - start, b - start) for lane, what, a, b in strategy.trace
+                ]
+                strategy.trace = None
             loss = comm.mean_scalar(local_loss)
             if not math.isfinite(loss):  # the same global loss on every rank: all stop here
                 last = history.losses[first_step:step]

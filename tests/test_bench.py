@@ -28,7 +28,9 @@ def test_the_planner_predicts_every_measured_ledger(records):
         for rank in r["per_rank"]:
             assert rank["memory"]["peak"] == predicted, (r["model"], r["strategy"])
             traced, ledger = rank["memory"]["tracemalloc_peak"], rank["memory"]["peak_total"]
-            assert ledger == sum(predicted.values())
+            # categories may peak at different moments (initialisation's one layer, zero3's
+            # gathered units in backward), so the total's peak is at most their sum
+            assert ledger <= sum(predicted.values())
             # tracemalloc sees the ledger's arrays and a little Python besides; at 0.93 M
             # parameters that little is under 2% of the whole
             assert ledger <= traced <= (1.02 if r["model"] == "medium" else 1.15) * ledger

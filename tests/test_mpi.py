@@ -87,24 +87,40 @@ def expected_state_bytes(strategy: str, model_config, n: int, optimizer: str) ->
     psi, psi_pad = sum(sizes), sum(padded(s, n) for s in sizes)
     largest = max(padded(s, n) for s in sizes)
     opt = 8 if optimizer == "adam" else 0
+    init = 4 * max(sizes)  # initialisation's transient: one layer's values at a time
     return {
-        "dp": dict(params=4 * psi, grads=4 * psi, optimizer=opt * psi, buffers=0),
+        "dp": dict(params=4 * psi, grads=4 * psi, optimizer=opt * psi, buffers=init),
         "zero1": dict(
-            params=4 * psi_pad, grads=4 * psi_pad, optimizer=opt * psi_pad // n, buffers=0
+            params=4 * psi_pad, grads=4 * psi_pad, optimizer=opt * psi_pad // n, buffers=init
         ),
         "zero2": dict(
             params=4 * psi_pad,
             grads=4 * psi_pad // n,
             optimizer=opt * psi_pad // n,
-            buffers=4 * largest,
+            buffers=4 * largest + init,
         ),  # the reused transient full-gradient buffer
         "zero3": dict(
             params=4 * psi_pad // n,
             grads=4 * psi_pad // n,
             optimizer=opt * psi_pad // n,
-            buffers=2 * 4 * largest,
-        ),  # the gather buffer: params and grads of a layer
+            buffers=max(init, zero3_gathered(sizes, n)),
+        ),  # gathered parameters and full gradients, as they come and go
     }[strategy]
+
+
+def zero3_gathered(sizes: list[int], n: int) -> int:
+    """zero3's default (one layer per unit, prefetch): the most full bytes up at once.
+
+    Forward: layer i and the prefetched next one. Backward: layer i's parameters and
+    gradient, the previous layer's prefetched parameters, the next one's gradient in flight.
+    """
+    full = [4 * padded(s, n) for s in sizes if s]
+    forward = max(a + b for a, b in zip(full, full[1:] + [0], strict=True))
+    backward = max(
+        2 * full[i] + (full[i - 1] if i else 0) + (full[i + 1] if i + 1 < len(full) else 0)
+        for i in range(len(full))
+    )
+    return max(forward, backward)
 
 
 def test_ledger_equals_the_zero_accounting_to_the_byte(world):
@@ -253,21 +269,28 @@ def test_cli_out_has_per_rank_memory_and_traffic(tmp_path):
     assert params["fc1.W"].shape == (256, 64)
 
 
-def test_zero3_materializes_at_most_one_layer_at_a_time(world):
+def test_zero3_gathers_rise_and_fall_at_most_two_layers_at_a_time(world):
+    """With prefetch, a layer's full parameters are held from its gather (or prefetch) to its
+    release: forward emb, fc1, fc2 and backward fc2, fc1, emb; ReLUs gather nothing."""
     n, results = world
     for name in ("zero3-sgd", "zero3-adam"):
-        events = [event for event, _ in results[name]["timeline"]]
-        gathered = None
-        for event in events:
-            kind, layer = event.split(" ", 1) if " " in event else (event, None)
-            if kind == "gather":
-                assert gathered is None, f"{layer} gathered while {gathered} still is"
-                gathered = layer
-            elif kind == "release":
-                assert gathered == layer
-                gathered = None
-        layers = 4  # emb, fc1, relu1, fc2: each gathered in forward and again in backward
-        assert sum(e.startswith("gather") for e in events) == 2 * layers
+        timeline = results[name]["timeline"]
+        gathers, up = [], set()
+        sizes = dict(zip(["emb", "fc1", "relu1", "fc2"], layer_sizes(ModelConfig()), strict=True))
+        for (event, live), (_, before) in zip(timeline[1:], timeline, strict=False):
+            kind, _, label = event.partition(" ")
+            if label.endswith(" gathered"):
+                layer = label.removesuffix(" gathered")
+                if kind == "hold":
+                    gathers.append(layer)
+                    up.add(layer)
+                    assert len(up) <= 2, f"{name} N={n}: {sorted(up)} gathered at once"
+                else:
+                    up.remove(layer)
+                sign = 1 if kind == "hold" else -1
+                assert live - before == sign * 4 * padded(sizes[layer], n), event
+        assert gathers == ["emb", "fc1", "fc2", "fc2", "fc1", "emb"], gathers
+        assert not up
 
 
 def test_memory_rises_and_falls_over_a_step(world):
@@ -280,8 +303,10 @@ def test_memory_rises_and_falls_over_a_step(world):
         assert peak > start  # activations were held in between
         events = [e for e, _ in timeline]
         forward_end = events.index("hold fc2")  # the last layer's cache: forward is done
-        assert max(live[: forward_end + 1]) == live[forward_end]  # rises through forward
-        assert peak == max(r["memory"]["peak_total"] for r in results[name]["per_rank"])
+        if name == "dp-sgd":  # (zero3's gathered layers come and go on top of it)
+            assert max(live[: forward_end + 1]) == live[forward_end]  # rises through forward
+        # the run's peak may be at initialisation instead: the state and one layer's values
+        assert peak <= max(r["memory"]["peak_total"] for r in results[name]["per_rank"])
 
 
 def test_the_planner_predicts_every_ledger_to_the_byte(world):

@@ -14,8 +14,9 @@ STRATEGY_CLASSES = {cls.name: cls for cls in (Single, DataParallel, ZeRO1, ZeRO2
 assert tuple(STRATEGY_CLASSES) == STRATEGIES, "every strategy has a row in the sharding table"
 
 
-def make_strategy(name: str, model, optimizer, comm, ledger) -> Strategy:
-    return STRATEGY_CLASSES[name](model, optimizer, comm, ledger)
+def make_strategy(name: str, model, optimizer, comm, ledger, **options) -> Strategy:
+    """The strategy `name`; options are zero3's (layers_per_unit, prefetch, ...)."""
+    return STRATEGY_CLASSES[name](model, optimizer, comm, ledger, **options)
 
 
 __all__ = [

@@ -25,6 +25,7 @@ from ..comm import Comm
 from ..flat import FlatParam
 from ..memory import MemoryLedger
 from ..model import MLP, Params
+from ..rng import Rng
 from ..sharding import ZERO_STAGE, is_sharded
 
 
@@ -105,15 +106,27 @@ class Strategy:
             self.set_from_vector(entry, vectors[key])
         self.optimizer.t = optimizer_steps
 
-    def load_params(self, params: dict[str, Params]) -> None:
-        """Set the parameters from shaped arrays per layer (the initial model)."""
-        for key, entry in self.local_state().items():
-            if key.endswith(".params"):  # straight into place: no full copy of the model
-                flat, arrays = self.layout[entry.layer], params[entry.layer]
-                if entry.sharded:
-                    flat.copy_shard(arrays, self.comm.rank, out=entry.array)
-                else:
-                    flat.flatten(arrays, out=entry.array)
+    def init_params(self, rng: Rng) -> None:
+        """Initialise the parameters one layer at a time, keeping only what this rank holds.
+
+        Every rank draws every layer (so the random stream is the seed's at any N), but only
+        one layer's values exist at a time, counted as a buffer: no rank ever builds the whole
+        model (FSDP initialises one unit at a time; DeepSpeed has zero.Init).
+        """
+        for layer, arrays in self.model.init_layers(rng):
+            label = f"init {layer.name}"
+            self.ledger.hold("buffers", label, sum(a.nbytes for a in arrays.values()))
+            self.keep_initial(layer.name, arrays)
+            self.ledger.free(label)
+            del arrays  # before the next layer is drawn: one layer at a time
+
+    def keep_initial(self, layer: str, arrays: Params) -> None:
+        """Copy one layer's initial values into this rank's parameters: all, or its shard."""
+        entry, flat = self.local_state()[f"{layer}.params"], self.layout[layer]
+        if entry.sharded:
+            flat.copy_shard(arrays, self.comm.rank, out=entry.array)
+        else:
+            flat.flatten(arrays, out=entry.array)
 
     def set_from_vector(self, entry: StateArray, vector: np.ndarray) -> None:
         """Copy a layer's whole vector into `entry`: all of it, or only this rank's shard."""

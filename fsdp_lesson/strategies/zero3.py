@@ -1,63 +1,208 @@
-"""zero3 (ZeRO stage 3, P_os+g+p, the idea of PyTorch FSDP): shard the parameters themselves.
+"""zero3 (ZeRO stage 3, P_os+g+p, what PyTorch FSDP runs): shard the parameters themselves.
 
-A rank keeps only its shard of every layer's parameters, gradients and optimizer state.
-Before a layer runs (forward, and again in backward) its shards are allgathered into one
-preallocated gather buffer, sized for the largest layer's parameters and gradients as in the
-seed's flat buffer; after backward the layer's gradient is reduce-scattered into the owned
-gradient shard. Traffic: allgather forward + allgather backward + reduce-scatter = 3Ψ.
+A rank keeps only its shard of every unit's parameters, gradients and optimizer state (a
+unit is K consecutive layers, units.py). A unit's full parameters exist only while it runs:
+allgathered into a buffer the ledger counts at the gather and frees at the release, forward
+and again in backward; after its backward, the unit's full gradient is reduce-scattered into
+the owned gradient shard. Traffic: allgather forward + allgather backward + reduce-scatter = 3Ψ.
+
+Options, with their FSDP2 (`fully_shard`) and DeepSpeed names:
+    prefetch                 gather the next unit (forward: i+1, backward: i-1) while this one
+                             computes, and reduce-scatter a unit's gradient while the one
+                             before it computes (FSDP2's implicit prefetch; DeepSpeed's
+                             stage3_prefetch_bucket_size). Same numbers, at most two units up.
+    reshard_after_forward    False keeps each unit gathered from forward to its backward:
+                             2Ψ instead of 3Ψ, all the parameters up at the end of forward
+                             (DeepSpeed's cousin: stage3_param_persistence_threshold).
+    replicate R              HSDP: N/R ranks shard, R such groups replicate; gradient shards
+                             are averaged across groups (FSDP2's 2-D device mesh).
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
+
+from ..comm import Request
 from ..model import Params
+from ..units import make_units
 from .base import Strategy
 
 
 class ZeRO3(Strategy):
-    """Shards only; one layer at a time is gathered into the gather buffer."""
+    """Shards only; a unit's full parameters and gradient exist only while it runs."""
 
     name = "zero3"
 
-    def __init__(self, model, optimizer, comm, ledger) -> None:
+    def __init__(
+        self,
+        model,
+        optimizer,
+        comm,
+        ledger,
+        layers_per_unit: int = 1,
+        prefetch: bool = True,
+        reshard_after_forward: bool = True,
+        replicate: int = 1,
+    ) -> None:
         super().__init__(model, optimizer, comm, ledger)
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.shard_comm, self.replica_comm = comm, None
+        if replicate > 1:  # groups of consecutive ranks shard; rank r of every group replicate
+            group = comm.size // replicate
+            self.shard_comm = comm.split(comm.rank // group, comm.rank, "shard")
+            self.replica_comm = comm.split(comm.rank % group, comm.rank, "replicate")
+        self.units = make_units(model.layers, layers_per_unit, self.shard_comm.size)
+        self.unit_of = {layer: u for u, unit in enumerate(self.units) for layer in unit.layers}
+        self.nonempty = [u for u, unit in enumerate(self.units) if unit.flat.numel]
+        self.layout = {unit.name: unit.flat for unit in self.units}  # state is per unit
         self.param_shards = self.alloc_per_layer("params", "param_shard")
         self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
         self.opt_state = self.init_optimizer_state()
-        largest = max(flat.padded_numel for flat in self.layout.values())
-        gather = ledger.alloc("buffers", 2 * largest, "gather_buffer")  # [params | grads]
-        self.gathered_params, self.gathered_grads = gather[:largest], gather[largest:]
-        self.gathered: str | None = None  # the one layer materialized now, if any
+        self.gathered: dict[int, Params] = {}  # unit -> its layers' full parameters (views)
+        self.gathering: dict[int, tuple[Request, Params]] = {}  # prefetches in flight
+        self.full_grads: dict[int, np.ndarray] = {}  # unit -> its full gradient buffer
+        self.reducing: list[tuple[int, Request]] = []  # gradient reduce-scatters in flight
+        self.last_release: tuple[int, bool] | None = None  # (unit, in backward)
+        self.reduced_layer: str | None = None  # the layer whose gradient was just reduced
+        self.trace: list | None = None  # (lane, label, start, end) spans, when recording
+        self.computing: float | None = None
 
     def param_arrays(self):
         return self.param_shards
 
+    def keep_initial(self, layer: str, arrays: Params) -> None:
+        unit = self.units[self.unit_of[layer]]
+        named = {f"{layer}.{k}": v for k, v in arrays.items()}
+        unit.flat.copy_shard(named, self.shard_comm.rank, out=self.param_shards[unit.name])
+
+    def set_from_vector(self, entry, vector: np.ndarray) -> None:
+        flat = self.layout[entry.layer]
+        entry.array[...] = flat.owned_shard(flat.padded(vector), self.shard_comm.rank)
+
+    # --- gather and free a unit's full parameters ---------------------------------------
+
+    def _gather(self, u: int, blocking: bool) -> None:
+        """Allocate unit u's full buffer (counted) and allgather into it, or start to."""
+        unit = self.units[u]
+        full = self.ledger.alloc("buffers", unit.flat.padded_numel, f"{unit.name} gathered")
+        shard = self.param_shards[unit.name]
+        if blocking:
+            start = time.perf_counter()
+            self.shard_comm.allgather(shard, full)
+            self._span("comm", f"allgather {unit.name}", start)
+            self.gathered[u] = unit.views(full)
+        else:
+            self.gathering[u] = (self.shard_comm.iallgather(shard, full), unit.views(full))
+
+    def _arrive(self, u: int) -> None:
+        """Unit u's parameters are needed now: wait for its prefetch, or gather it."""
+        if u in self.gathering:
+            request, views = self.gathering.pop(u)
+            request.wait()
+            self._span("comm", f"allgather {self.units[u].name}", request.issued)
+            self.gathered[u] = views
+        elif u not in self.gathered:
+            self._gather(u, blocking=True)
+
+    def _next(self, u: int, backward: bool) -> int | None:
+        """The unit that runs after u (forward: the next one; backward: the one before)."""
+        i = self.nonempty.index(u) + (-1 if backward else 1)
+        return self.nonempty[i] if 0 <= i < len(self.nonempty) else None
+
+    def _in_backward(self, u: int) -> bool:
+        """Whether materializing unit u starts its backward (the hooks know no phase).
+
+        Backward begins at the last unit right after its forward, and then walks down.
+        """
+        if self.last_release is None:
+            return False
+        last, backward = self.last_release
+        return (last == u and not backward and u == self.nonempty[-1]) or (backward and u < last)
+
+    # --- the hooks ------------------------------------------------------------------------
+
     def materialize(self, layer) -> Params:
-        """Allgather the layer's shards into the gather buffer; return views of the full layer."""
-        assert self.gathered is None, f"{self.gathered} is still materialized"
-        flat = self.layout[layer.name]
-        full = self.comm.allgather(
-            self.param_shards[layer.name], self.gathered_params[: flat.padded_numel]
-        )
-        self.gathered = layer.name
-        self.ledger.mark(f"gather {layer.name}")
-        return flat.views(full)
+        """FSDP2: unshard. The unit's full parameters (waiting for its prefetch if any)."""
+        u = self.unit_of[layer.name]
+        if not self.units[u].flat.numel:
+            return {}  # a ReLU alone: nothing to gather
+        if u not in self.gathered:
+            self._arrive(u)
+            following = self._next(u, self._in_backward(u))
+            if self.prefetch and following is not None and following not in self.gathered:
+                if following not in self.gathering:
+                    self._gather(following, blocking=False)  # runs while this unit computes
+            self.computing = time.perf_counter()
+        return self.gathered[u][layer.name]
 
     def release(self, layer) -> None:
-        self.gathered = None  # the buffer is free for the next layer
-        self.ledger.mark(f"release {layer.name}")
+        """FSDP2: reshard. Free the unit's full parameters after its last layer has run."""
+        u, unit = self.unit_of[layer.name], self.units[self.unit_of[layer.name]]
+        if not unit.flat.numel:
+            self.reduced_layer = None
+            return
+        backward, self.reduced_layer = self.reduced_layer == layer.name, None
+        if layer.name != (unit.layers[0] if backward else unit.layers[-1]):
+            return  # the unit's other layers still run
+        phase = "backward" if backward else "forward"
+        self._span("compute", f"{phase} {unit.name}", self.computing)
+        self.last_release = (u, backward)
+        if backward or self.reshard_after_forward:
+            del self.gathered[u]
+            self.ledger.free(f"{unit.name} gathered")
 
     def grad_buffer(self, layer) -> Params:
-        flat = self.layout[layer.name]
-        return flat.views(self.gathered_grads[: flat.padded_numel])
+        """The unit's full gradient buffer, allocated (counted) at its first layer's backward."""
+        u = self.unit_of[layer.name]
+        unit = self.units[u]
+        if u not in self.full_grads:
+            label = f"{unit.name} full grad"
+            self.full_grads[u] = self.ledger.alloc("buffers", unit.flat.padded_numel, label)
+        return unit.views(self.full_grads[u])[layer.name]
 
     def reduce_grads(self, layer) -> None:
-        flat = self.layout[layer.name]
-        full = self.gathered_grads[: flat.padded_numel]
-        full[flat.numel :] = 0  # the reused buffer's padding may hold a larger layer's values
-        self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
+        """After the unit's backward: reduce-scatter its gradient (non-blocking with prefetch)."""
+        self.reduced_layer = layer.name
+        u = self.unit_of[layer.name]
+        unit = self.units[u]
+        if not unit.flat.numel or layer.name != unit.layers[0]:
+            return
+        full, shard = self.full_grads[u], self.grad_shards[unit.name]
+        if self.prefetch:  # runs during the next unit's backward; wait for the one before
+            self.reducing.append((u, self.shard_comm.ireduce_scatter_mean(full, shard)))
+            while len(self.reducing) > 1:
+                self._finish_reduce(*self.reducing.pop(0))
+        else:
+            start = time.perf_counter()
+            self.shard_comm.reduce_scatter_mean(full, shard)
+            self._span("comm", f"reduce_scatter {unit.name}", start)
+            self._free_grad(u)
+
+    def _finish_reduce(self, u: int, request: Request) -> None:
+        request.wait()
+        self._span("comm", f"reduce_scatter {self.units[u].name}", request.issued)
+        self._free_grad(u)
+
+    def _free_grad(self, u: int) -> None:
+        """The unit's mean gradient shard is in place: its full gradient is free again."""
+        del self.full_grads[u]
+        self.ledger.free(f"{self.units[u].name} full grad")
+        if self.replica_comm is not None:  # HSDP: the mean over the groups as well
+            start = time.perf_counter()
+            self.replica_comm.allreduce_mean(self.grad_shards[self.units[u].name])
+            self._span("comm", f"allreduce {self.units[u].name}", start)
 
     def step(self) -> None:
+        while self.reducing:
+            self._finish_reduce(*self.reducing.pop(0))
         self.optimizer.start_step()
         for name in self.layout:
             shard, grad = self.param_shards[name], self.grad_shards[name]
             self.optimizer.update(shard, grad, self.opt_state[name])
+
+    def _span(self, lane: str, label: str, start: float | None) -> None:
+        """Record a span of this step (compute or communication), when recording."""
+        if self.trace is not None and start is not None:
+            self.trace.append((lane, label, start, time.perf_counter()))
