@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 try:
@@ -441,6 +442,7 @@ def end_the_job(err: Exception) -> None:
     sys.stderr.flush()
     mpi = sys.modules.get("mpi4py.MPI")
     if size > 1 and mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        time.sleep(0.5)  # let mpiexec pass the line on before MPI_Abort tears the job down
         mpi.COMM_WORLD.Abort(1)
     os._exit(1)
 
