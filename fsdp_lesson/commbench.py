@@ -98,7 +98,9 @@ def _seconds_per_call(world, call, rep_seconds: float) -> tuple[float, int, int]
     return float(np.median(_over_ranks(world, times, "max"))), reps, calls
 
 
-def time_collectives(comm: Comm, sizes: list[int] = SIZES, quick: bool = False) -> list | None:
+def time_collectives(
+    comm: Comm, sizes: list[int] = SIZES, quick: bool = False
+) -> list[dict] | None:
     """Run on every rank of comm's MPI world; rank 0 gets the measured points, others None.
 
     A point: impl ("mpi", "ring", or "p2p" for the ping-pong), kind, ranks, buffer_bytes, the
