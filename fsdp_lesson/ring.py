@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 KINDS = ("allreduce", "allgather", "reduce_scatter", "bcast")
-TAG = 13  # the ring's messages never match another receive on the same communicator
+TAG = 13  # the ring's own tag: its messages match no receive posted with another tag
 
 
 @dataclass
