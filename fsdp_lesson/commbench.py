@@ -133,21 +133,46 @@ def time_collectives(
     return points if comm.rank == 0 else None
 
 
-def fit_line(messages, sent_bytes, seconds) -> dict:
-    """Least squares of t = alpha * messages + beta * bytes, alpha and beta >= 0.
+def _nonnegative_lstsq(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |A c - y| over c >= 0, for two columns: if the free solution has a negative
+    coefficient, the best one-column fit (the other at 0) is the constrained optimum."""
+    coef = np.linalg.lstsq(A, y, rcond=None)[0]
+    if (coef >= 0).all():
+        return coef
+    candidates = []
+    for keep in range(A.shape[1]):
+        c = np.zeros(A.shape[1])
+        c[keep] = max(0.0, np.linalg.lstsq(A[:, [keep]], y, rcond=None)[0][0])
+        candidates.append(c)
+    return min(candidates, key=lambda c: np.linalg.norm(A @ c - y))
 
-    The residuals are relative (each point weighted by 1/t): the times span five decades and
-    a plain fit would see only the largest. r2 is the fit's R^2 on log t, as on the plot.
+
+def fit_line(messages, sent_bytes, seconds) -> dict:
+    """Least squares of log t against log(alpha * messages + beta * bytes), alpha, beta >= 0.
+
+    On log t every decade of buffer size weighs the same, as on the log-log plot (a plain fit
+    of t would see only the largest buffers), and a point ten times off counts as much whether
+    too slow or too fast. Solved by Gauss-Newton from the fit of relative residuals;
+    r2 is the R^2 of log t.
     """
     X = np.column_stack([messages, sent_bytes]).astype(float)
-    t = np.asarray(seconds, dtype=float)
-    coef = np.linalg.lstsq(X / t[:, None], np.ones_like(t), rcond=None)[0]
-    if (coef < 0).any():  # one term alone explains the points better: keep the other
-        keep = int(np.argmax(coef))
-        coef = np.zeros(2)
-        coef[keep] = np.linalg.lstsq(X[:, [keep]] / t[:, None], np.ones_like(t), rcond=None)[0][0]
-    log_t, log_pred = np.log(t), np.log(np.maximum(X @ coef, 1e-300))
-    r2 = 1 - ((log_t - log_pred) ** 2).sum() / ((log_t - log_t.mean()) ** 2).sum()
+    log_t = np.log(np.asarray(seconds, dtype=float))
+
+    def misfit(coef: np.ndarray) -> float:
+        return float(((np.log(np.maximum(X @ coef, 1e-300)) - log_t) ** 2).sum())
+
+    coef = _nonnegative_lstsq(X * np.exp(-log_t)[:, None], np.ones_like(log_t))
+    for _ in range(50):  # Gauss-Newton: log(X c) ~ log(p) + X (c - coef) / p, with p = X coef
+        p = X @ coef
+        trial = _nonnegative_lstsq(X / p[:, None], log_t - np.log(p) + 1)
+        for _ in range(30):  # halve the step while it makes the misfit worse
+            if misfit(trial) <= misfit(coef):
+                break
+            trial = (trial + coef) / 2
+        if misfit(coef) - misfit(trial) <= 1e-12:
+            break
+        coef = trial
+    r2 = 1 - misfit(coef) / ((log_t - log_t.mean()) ** 2).sum()
     alpha, beta = (float(c) for c in coef)
     return {
         "alpha_s": alpha,
@@ -156,7 +181,7 @@ def fit_line(messages, sent_bytes, seconds) -> dict:
         "gb_per_s": 1 / beta / 1e9 if beta > 0 else float("inf"),
         "crossover_bytes": alpha / beta if beta > 0 else float("inf"),
         "r2": float(r2),
-        "points": len(t),
+        "points": len(log_t),
     }
 
 
