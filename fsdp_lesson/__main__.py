@@ -218,11 +218,24 @@ def build_parser() -> Parser:
         "--out", type=Path, default=None, help="write history.json and params.npz here"
     )
     train.add_argument(
+        "--collectives",
+        choices=("mpi", "ring"),
+        default="mpi",
+        help="mpi: the MPI library's collectives (traffic counted by the ring model); ring: the "
+        "lesson's rings of Sendrecv (traffic measured: the bytes really sent)",
+    )
+    train.add_argument(
         "--overwrite",
         action="store_true",
         help="a fresh run (no --resume) may replace the checkpoint already in OUT/checkpoint",
     )
 
+    commands.add_parser(
+        "commbench",
+        help="time each collective over message sizes and fit latency and bandwidth (see "
+        "commbench --help)",
+        add_help=False,
+    )
     commands.add_parser(
         "bench",
         help="measure memory, traffic and time: strategy x ranks x model (see bench --help)",
@@ -278,6 +291,7 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         resume=checkpoint_in(args.resume),
         reshard=args.reshard,
         overwrite=args.overwrite,
+        collectives=args.collectives,
         trace_step=args.trace_step,
     )
     return model_config, train_config, run_config
@@ -329,7 +343,8 @@ def train_command(args) -> None:
 
     model_config, train_config, run_config = configs_from(args)
     launched_alone = launcher_rank_and_size()[1] == 1
-    comm = Comm() if args.strategy == "single" and launched_alone else Comm.world()
+    alone = args.strategy == "single" and launched_alone
+    comm = Comm() if alone else Comm.world(run_config.collectives)
     end_every_rank_on_interrupt(comm.rank)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     try:  # every refusal is agreed on, so all ranks raise it together: no hang
@@ -409,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["commbench"]:  # the α–β fit has its own flags (fsdp_lesson.commbench)
+        from .commbench import main as commbench_main
+
+        return commbench_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.command == "data":

@@ -452,8 +452,9 @@ def run_on_engine(model_config, train_config, run_config=None) -> dict:
     from .comm import Comm
     from .train import run
 
+    collectives = "mpi" if run_config is None else run_config.collectives
     history, strategy = run(
-        model_config, train_config, run_config, Comm.world(), on_log=report_progress
+        model_config, train_config, run_config, Comm.world(collectives), on_log=report_progress
     )
     return history.to_dict() | {"params": strategy.full_params(), "rank": strategy.comm.rank}
 

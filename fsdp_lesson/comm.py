@@ -1,72 +1,98 @@
-"""Comm: the collectives the lesson uses, over mpi4py's buffer interface, with accounting.
+"""Comm: the collectives the lesson uses, with each rank's traffic measured or counted.
 
-Traffic is counted as the ring algorithm moves it (docs/zero_formulas.md): for a full buffer of
-F bytes over N ranks each rank sends (N-1)/N * F for an allgather or a reduce-scatter and
-2(N-1)/N * F for an allreduce. A Comm built without an MPI communicator is one rank and
-needs no MPI at all.
+Two ways to run them, chosen once per Comm:
+
+- collectives="mpi" (the default): the MPI library's own Allreduce, Allgather, ... over mpi4py's
+  buffer interface. How the library moves the bytes is its business (MPICH picks recursive
+  doubling, Rabenseifner's reduce-scatter + allgather or a ring by message size), so the traffic
+  is *counted*: the ring model applied to each call (docs/zero_formulas.md). For a full buffer of
+  F bytes over N ranks a rank sends (N-1)/N * F in N-1 messages for an allgather or a
+  reduce-scatter, 2(N-1)/N * F in 2(N-1) messages for an allreduce; a broadcast's N-1 messages
+  of F bytes are shared by N ranks, (N-1)/N of a message and (N-1)/N * F per rank.
+- collectives="ring": the rings of Sendrecv in ring.py, so the traffic is *measured*: the bytes
+  and messages this rank really handed to MPI.
+
+A Comm built without an MPI communicator is one rank and needs no MPI at all.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from time import perf_counter
 
 import numpy as np
 
+from .ring import KINDS, Ring, Sent
+
+COLLECTIVES = ("mpi", "ring")
+# messages and bytes a rank sends per call in the ring model, in units of (N-1) and (N-1)/N * F
 RING_FACTOR = {"allreduce": 2, "allgather": 1, "reduce_scatter": 1, "bcast": 1}
 
 
 @dataclass
-class Traffic:
-    """One collective kind's totals on this rank."""
+class Traffic(Sent):
+    """One collective kind's totals on this rank: `messages` and `sent_bytes` (from Sent: in
+    ring mode what the ring sent, in mpi mode the ring model's count; a counted broadcast's
+    messages are a per-rank mean, so a fraction), and:"""
 
     calls: int = 0
     buffer_bytes: int = 0  # bytes of the full buffers handed to the collective
-    sent_bytes: float = 0.0  # bytes this rank sends under the ring model
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall-clock time inside the calls
 
 
 class Comm:
-    """allreduce_mean, allgather, reduce_scatter_mean, bcast and barrier, each counted."""
+    """allreduce_mean, allgather, reduce_scatter_mean, bcast and barrier, each accounted."""
 
-    def __init__(self, mpi_comm=None) -> None:
+    def __init__(self, mpi_comm=None, collectives: str = "mpi") -> None:
+        if collectives not in COLLECTIVES:
+            raise ValueError(f"collectives={collectives!r}: use 'mpi' (the library's) or 'ring'")
         self.mpi = mpi_comm
         if mpi_comm is not None:
             from mpi4py import MPI
 
             self.MPI = MPI
         self.rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
-        self.size = 1 if mpi_comm is None else mpi_comm.Get_size()
-        self.traffic = {kind: Traffic() for kind in RING_FACTOR}
+        self.size = n = 1 if mpi_comm is None else mpi_comm.Get_size()
+        self.collectives = collectives
+        self.traffic = {kind: Traffic() for kind in KINDS}
+        # ring mode: the ring adds what it sends straight into the Traffic records
+        self.ring = Ring(mpi_comm, sent=self.traffic) if collectives == "ring" else None
+        # mpi mode, per call: (RING_FACTOR * (N-1), messages); sent_bytes += that * F / N
+        self._counted = {kind: (f * (n - 1), f * (n - 1)) for kind, f in RING_FACTOR.items()}
+        self._counted["bcast"] = (n - 1, (n - 1) / n)
         self._scalar = np.zeros(1, dtype=np.float64)
 
     @classmethod
-    def world(cls) -> Comm:
+    def world(cls, collectives: str = "mpi") -> Comm:
         """All ranks of the MPI job (mpiexec or the ipcluster's MPI engines)."""
         from mpi4py import MPI
 
-        return cls(MPI.COMM_WORLD)
+        return cls(MPI.COMM_WORLD, collectives)
 
-    @contextmanager
-    def _count(self, kind: str, full_bytes: int):
-        start = time.perf_counter()
-        yield
+    def _account(self, kind: str, full_bytes: int, start: float) -> None:
+        """Add one call that began at perf_counter() == start to the kind's Traffic record."""
         t = self.traffic[kind]
         t.calls += 1
         t.buffer_bytes += full_bytes
-        t.sent_bytes += RING_FACTOR[kind] * (self.size - 1) * full_bytes / self.size
-        t.seconds += time.perf_counter() - start
+        if self.ring is None:  # counted: the ring model; in ring mode the ring measured it
+            factor, messages = self._counted[kind]
+            t.sent_bytes += factor * full_bytes / self.size
+            t.messages += messages
+        t.seconds += perf_counter() - start
 
     def allreduce_mean(self, buf: np.ndarray) -> np.ndarray:
-        """buf <- the mean of buf over all ranks, in place."""
+        """buf <- the mean of buf over all ranks, in place; the same bits on every rank."""
         if buf.size == 0:  # a layer without parameters moves nothing
             return buf
-        with self._count("allreduce", buf.nbytes):
-            if self.mpi is not None:
+        start = perf_counter()
+        if self.size > 1:
+            if self.ring is not None:
+                self.ring.allreduce(buf)
+            else:
                 self.mpi.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-                buf /= buf.dtype.type(self.size)
+            buf /= buf.dtype.type(self.size)
+        self._account("allreduce", buf.nbytes, start)
         return buf
 
     def mean_scalar(self, value: float) -> float:
@@ -81,11 +107,16 @@ class Comm:
         """
         if full.size == 0:  # a layer without parameters moves nothing
             return full
-        with self._count("allgather", full.nbytes):
-            if self.mpi is not None:
+        start = perf_counter()
+        if shard is not None and (self.ring is not None or self.size == 1):
+            s = full.size // self.size
+            full[self.rank * s : (self.rank + 1) * s] = shard  # the ring gathers in place
+        if self.size > 1:
+            if self.ring is not None:
+                self.ring.allgather(full)
+            else:
                 self.mpi.Allgather(self.MPI.IN_PLACE if shard is None else shard, full)
-            elif shard is not None:
-                full[...] = shard
+        self._account("allgather", full.nbytes, start)
         return full
 
     def reduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray | None) -> np.ndarray:
@@ -98,20 +129,29 @@ class Comm:
             shard = full[: full.size // self.size]
         if full.size == 0:
             return shard
-        with self._count("reduce_scatter", full.nbytes):
-            if self.mpi is not None:
+        start = perf_counter()
+        if self.size == 1:
+            if not in_place:
+                shard[...] = full
+        else:
+            if self.ring is not None:
+                self.ring.reduce_scatter(full, shard)
+            else:
                 send, recv = (self.MPI.IN_PLACE, full) if in_place else (full, shard)
                 self.mpi.Reduce_scatter_block(send, recv, op=self.MPI.SUM)
-                shard /= shard.dtype.type(self.size)
-            elif not in_place:
-                shard[...] = full
+            shard /= shard.dtype.type(self.size)
+        self._account("reduce_scatter", full.nbytes, start)
         return shard
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         """buf <- root's buf, in place."""
-        with self._count("bcast", buf.nbytes):
-            if self.mpi is not None:
+        start = perf_counter()
+        if self.size > 1:
+            if self.ring is not None:
+                self.ring.bcast(buf, root)
+            else:
                 self.mpi.Bcast(buf, root=root)
+        self._account("bcast", buf.nbytes, start)
         return buf
 
     def barrier(self) -> None:
@@ -119,7 +159,7 @@ class Comm:
             self.mpi.Barrier()
 
     def all_agree(self, ok: bool) -> bool:
-        """True on every rank only if `ok` is true on every rank (not counted as traffic)."""
+        """True on every rank only if `ok` is true on every rank (the library's; not counted)."""
         if self.mpi is None:
             return ok
         flag = np.array([1 if ok else 0], dtype=np.int32)
@@ -153,41 +193,32 @@ class Comm:
         return [obj] if self.mpi is None else self.mpi.gather(obj, root=0)
 
     def traffic_report(self) -> dict[str, dict]:
-        return {kind: asdict(t) for kind, t in self.traffic.items()}
+        """Per kind: calls, buffer_bytes, sent_bytes, messages, seconds, and how the bytes and
+        messages were obtained: "measured" (ring mode) or "counted" (the ring model, mpi mode)."""
+        how = "measured" if self.ring is not None else "counted"
+        return {kind: asdict(t) | {"how": how} for kind, t in self.traffic.items()}
 
     # --- non-blocking collectives and sub-communicators (zero3's prefetch, HSDP) ----------
 
     def iallgather(self, shard: np.ndarray, full: np.ndarray) -> Request:
         """Start full <- every rank's shard (MPI_Iallgather); the Request's wait() completes it."""
-        return self._start("allgather", full, shard, None, lambda: self.mpi.Iallgather(shard, full))
+        if self.ring is not None or self.mpi is None or full.size == 0:
+            return Request.done(self, lambda: self.allgather(shard, full))
+        return Request(self, "allgather", full.nbytes, self.mpi.Iallgather(shard, full), None)
 
     def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> Request:
         """Start shard <- this rank's slice of the mean of `full` (MPI_Ireduce_scatter_block)."""
-        return self._start(
-            "reduce_scatter",
-            full,
-            full,
-            shard,
-            lambda: self.mpi.Ireduce_scatter_block(full, shard, op=self.MPI.SUM),
-        )
-
-    def _start(self, kind: str, full: np.ndarray, source, mean_into, issue) -> Request:
-        """Issue a non-blocking collective (one rank: copy at once); counted when waited for."""
-        issued = time.perf_counter()
-        if self.mpi is None or full.size == 0:
-            if self.mpi is None and mean_into is not None:
-                mean_into[...] = source
-            elif self.mpi is None:
-                full[...] = source
-            return Request(self, kind, full.nbytes, None, mean_into, issued)
-        return Request(self, kind, full.nbytes, issue(), mean_into, issued)
+        if self.ring is not None or self.mpi is None or full.size == 0:
+            return Request.done(self, lambda: self.reduce_scatter_mean(full, shard))
+        started = self.mpi.Ireduce_scatter_block(full, shard, op=self.MPI.SUM)
+        return Request(self, "reduce_scatter", full.nbytes, started, shard)
 
     def split(self, color: int, key: int, name: str) -> Comm:
         """The ranks with the same color, ordered by key (MPI_Comm_split), as a counted Comm.
 
         Its traffic shows in this Comm's report as "<kind> (<name>)", e.g. "allgather (shard)".
         """
-        child = Comm(None if self.mpi is None else self.mpi.Split(color, key))
+        child = Comm(None if self.mpi is None else self.mpi.Split(color, key), self.collectives)
         for kind, traffic in child.traffic.items():
             self.traffic[f"{kind} ({name})"] = traffic  # the same object: one count, two views
         return child
@@ -197,13 +228,22 @@ class Request:
     """A collective in flight: wait() completes it (dividing for a mean) and counts it.
 
     The seconds counted are those spent blocked in wait(); `issued` and `completed` are the
-    wall-clock span a timeline draws.
+    wall-clock span a timeline draws. The ring and a one-rank Comm run the collective at once
+    (Request.done): the ring's Sendrecv calls block.
     """
 
-    def __init__(self, comm: Comm, kind, nbytes, mpi_request, mean_into, issued) -> None:
+    def __init__(self, comm: Comm, kind: str, nbytes: int, mpi_request, mean_into) -> None:
         self.comm, self.kind, self.nbytes = comm, kind, nbytes
-        self.mpi_request, self.mean_into, self.issued = mpi_request, mean_into, issued
-        self.completed: float | None = None
+        self.mpi_request, self.mean_into = mpi_request, mean_into
+        self.issued, self.completed = perf_counter(), None
+
+    @classmethod
+    def done(cls, comm: Comm, collective) -> Request:
+        """A request whose collective ran to completion right here (and was counted there)."""
+        request = cls(comm, "", 0, None, None)
+        collective()
+        request.completed = perf_counter()
+        return request
 
     def test(self) -> bool:
         """Let MPI progress the collective (MPI_Test); True once it is complete."""
@@ -212,12 +252,12 @@ class Request:
     def wait(self) -> None:
         if self.completed is not None:
             return
-        with self.comm._count(self.kind, self.nbytes):
-            if self.mpi_request is not None:
-                self.mpi_request.Wait()
-                if self.mean_into is not None:
-                    self.mean_into /= self.mean_into.dtype.type(self.comm.size)
-        self.completed = time.perf_counter()
+        start = perf_counter()
+        self.mpi_request.Wait()
+        if self.mean_into is not None:
+            self.mean_into /= self.mean_into.dtype.type(self.comm.size)
+        self.comm._account(self.kind, self.nbytes, start)
+        self.completed = perf_counter()
 
 
 def together(comm: Comm, work, refusals: tuple[type[Exception], ...]):

@@ -146,11 +146,16 @@ class RunConfig:
     resume: Path | None = None  # continue from this checkpoint
     reshard: bool = False  # allow resuming a checkpoint of another strategy, N or global batch
     overwrite: bool = False  # a fresh run may replace a checkpoint already in checkpoint_dir
+    collectives: str = "mpi"  # "mpi": the library's; "ring": ring.py's, whose bytes are measured
     trace_memory: bool = False  # also measure the peak with tracemalloc (slower)
     timeline_step: int | None = None  # record the ledger's every change during this step
     trace_step: int | None = None  # record the wall-clock spans of compute and collectives
 
     def validate(self) -> None:
+        _require(
+            self.collectives in ("mpi", "ring"),
+            f"collectives {self.collectives!r}: choose mpi (the library's) or ring (ring.py's)",
+        )
         _require(
             self.save_every is None or self.save_every >= 1,
             f"save_every must be a positive integer, got {self.save_every}",

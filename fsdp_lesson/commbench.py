@@ -1,0 +1,317 @@
+"""commbench: time ping-pong and each collective, and fit the latency-bandwidth model to it.
+
+    python -m fsdp_lesson.commbench [--ranks 2 4] [--quick] [--out FILE.json]
+
+For each rank count N it runs `mpiexec -n N` once. Every rank times a ping-pong between ranks 0
+and 1 and each collective of Comm, the library's (collectives="mpi") and the hand-made ring
+(collectives="ring"), on buffers from 4 B to 64 MiB: the median over repetitions of the slowest
+rank's time per call. Then, per kind and N, a least-squares fit of
+
+    t = alpha * messages + beta * bytes
+
+with the messages and bytes a rank sends per call, as Comm's traffic report has them (measured
+for the ring, the ring model counted for the library). alpha is the cost of one message
+(latency, software overhead), 1/beta the bandwidth; a message of alpha/beta bytes costs as much
+in latency as in transfer, so smaller messages are latency-bound and larger ones bandwidth-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .comm import Comm
+
+SIZES = [4**k for k in range(1, 14)]  # 4 B, 16 B, ..., 64 MiB
+QUICK_SIZES = SIZES[:7]  # up to 16 KiB
+KINDS = ("pingpong", "allreduce", "reduce_scatter", "allgather", "bcast")
+IMPLS = ("mpi", "ring")  # the library's collectives and the hand-made ring
+REP_SECONDS = {False: 0.02, True: 0.002}  # quick: a shorter repetition
+
+
+def _operation(comm: Comm, kind: str, nbytes: int):
+    """A no-argument call of one collective on a float32 buffer of about nbytes (at least one
+    element per rank where the buffer is cut into shards), and the buffer's bytes."""
+    n = comm.size
+    elements = max(1, nbytes // 4)
+    if kind in ("allgather", "reduce_scatter"):
+        elements = -(-elements // n) * n  # a multiple of N, as FlatParam pads
+    full, shard = np.ones(elements, np.float32), np.ones(elements // n, np.float32)
+    calls = {
+        "allreduce": lambda: comm.allreduce_mean(full),
+        "reduce_scatter": lambda: comm.reduce_scatter_mean(full, shard),
+        "allgather": lambda: comm.allgather(shard, full),
+        "bcast": lambda: comm.bcast(full, 0),
+        "pingpong": lambda: _pingpong(comm.mpi, full),
+    }
+    return calls[kind], full.nbytes
+
+
+def _pingpong(world, buf: np.ndarray) -> None:
+    """Rank 0 sends buf to rank 1, which sends it back; the other ranks do nothing."""
+    rank = world.Get_rank()
+    if rank == 0:
+        world.Send(buf, 1)
+        world.Recv(buf, 1)
+    elif rank == 1:
+        world.Recv(buf, 0)
+        world.Send(buf, 0)
+
+
+def _over_ranks(world, values, op: str) -> np.ndarray:
+    """The elementwise "max" or "mean" of float values over ranks (a buffer Allreduce)."""
+    from mpi4py import MPI
+
+    out = np.array(values, dtype=np.float64)
+    world.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX if op == "max" else MPI.SUM)
+    return out if op == "max" else out / world.Get_size()
+
+
+def _seconds_per_call(world, call, rep_seconds: float) -> tuple[float, int, int]:
+    """Median over repetitions of the slowest rank's seconds per call; (median, reps, calls).
+
+    A collective is as slow as its slowest rank. Each repetition runs `calls` back-to-back
+    calls, as many as fill rep_seconds, so the clock's resolution does not matter.
+    """
+
+    def slowest_run(calls: int) -> float:
+        world.Barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return time.perf_counter() - start
+
+    call()  # warm-up: first-touch pages, the ring's scratch buffers, MPI's connections
+    probe = 1  # grow a probe of back-to-back calls to a millisecond, to size the repetitions
+    while (elapsed := _over_ranks(world, [slowest_run(probe)], "max")[0]) < 1e-3 and probe < 512:
+        probe *= 8
+    once = elapsed / probe
+    calls = int(min(10_000, max(1, rep_seconds / once)))
+    reps = 7 if once < 0.05 else 3  # fewer repetitions of the big, slow calls
+    times = [slowest_run(calls) / calls for _ in range(reps)]
+    return float(np.median(_over_ranks(world, times, "max"))), reps, calls
+
+
+def time_collectives(
+    comm: Comm, sizes: list[int] = SIZES, quick: bool = False
+) -> list[dict] | None:
+    """Run on every rank of comm's MPI world; rank 0 gets the measured points, others None.
+
+    A point: impl ("mpi", "ring", or "p2p" for the ping-pong), kind, ranks, buffer_bytes, the
+    messages and sent_bytes per call (means over ranks) and seconds per call. `comm`'s own
+    traffic is untouched: every point runs on a fresh Comm.
+    """
+    world, n = comm.mpi, comm.size
+    if world is None or n < 2:
+        raise ValueError("commbench needs an MPI world of 2 ranks or more (mpiexec -n 2 ...)")
+    series = [("p2p", "pingpong")] + [(impl, kind) for impl in IMPLS for kind in KINDS[1:]]
+    points = []
+    for impl, kind in series:
+        timed = set()  # buffer sizes already timed: padding to N elements can repeat one
+        for nbytes in sizes:
+            bench = Comm(world, collectives="mpi" if impl == "p2p" else impl)
+            call, buffer_bytes = _operation(bench, kind, nbytes)
+            if buffer_bytes in timed:
+                continue
+            timed.add(buffer_bytes)
+            seconds, reps, calls = _seconds_per_call(world, call, REP_SECONDS[quick])
+            if kind == "pingpong":  # one way: one message of the buffer in half a round trip
+                seconds, messages, sent = seconds / 2, 1.0, float(buffer_bytes)
+            else:
+                t = bench.traffic[kind]
+                per_call = [t.messages / t.calls, t.sent_bytes / t.calls]
+                messages, sent = _over_ranks(world, per_call, "mean")
+            point = dict(impl=impl, kind=kind, ranks=n, buffer_bytes=buffer_bytes)
+            point |= dict(messages=float(messages), sent_bytes=float(sent), seconds=seconds)
+            points.append(point | dict(reps=reps, calls_per_rep=calls))
+    return points if comm.rank == 0 else None
+
+
+def _nonnegative_lstsq(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |A c - y| over c >= 0, for two columns: if the free solution has a negative
+    coefficient, the best one-column fit (the other at 0) is the constrained optimum."""
+    coef = np.linalg.lstsq(A, y, rcond=None)[0]
+    if (coef >= 0).all():
+        return coef
+    candidates = []
+    for keep in range(A.shape[1]):
+        c = np.zeros(A.shape[1])
+        c[keep] = max(0.0, np.linalg.lstsq(A[:, [keep]], y, rcond=None)[0][0])
+        candidates.append(c)
+    return min(candidates, key=lambda c: np.linalg.norm(A @ c - y))
+
+
+def fit_line(messages, sent_bytes, seconds) -> dict:
+    """Least squares of log t against log(alpha * messages + beta * bytes), alpha, beta >= 0.
+
+    On log t every decade of buffer size weighs the same, as on the log-log plot (a plain fit
+    of t would see only the largest buffers), and a point ten times off counts as much whether
+    too slow or too fast. Solved by Gauss-Newton from the fit of relative residuals;
+    r2 is the R^2 of log t.
+    """
+    X = np.column_stack([messages, sent_bytes]).astype(float)
+    log_t = np.log(np.asarray(seconds, dtype=float))
+
+    def misfit(coef: np.ndarray) -> float:
+        return float(((np.log(np.maximum(X @ coef, 1e-300)) - log_t) ** 2).sum())
+
+    coef = _nonnegative_lstsq(X * np.exp(-log_t)[:, None], np.ones_like(log_t))
+    for _ in range(50):  # Gauss-Newton: log(X c) ~ log(p) + X (c - coef) / p, with p = X coef
+        p = X @ coef
+        trial = _nonnegative_lstsq(X / p[:, None], log_t - np.log(p) + 1)
+        for _ in range(30):  # halve the step while it makes the misfit worse
+            if misfit(trial) <= misfit(coef):
+                break
+            trial = (trial + coef) / 2
+        if misfit(coef) - misfit(trial) <= 1e-12:
+            break
+        coef = trial
+    r2 = 1 - misfit(coef) / ((log_t - log_t.mean()) ** 2).sum()
+    alpha, beta = (float(c) for c in coef)
+    return {
+        "alpha_s": alpha,
+        "beta_s_per_byte": beta,
+        "alpha_us": alpha * 1e6,
+        "gb_per_s": 1 / beta / 1e9 if beta > 0 else float("inf"),
+        "crossover_bytes": alpha / beta if beta > 0 else float("inf"),
+        "r2": float(r2),
+        "points": len(log_t),
+    }
+
+
+def fit(points: list[dict]) -> dict[int, dict[str, dict[str, dict]]]:
+    """fit_line per rank count, impl and kind: fits[N][impl][kind]."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["ranks"], p["impl"], p["kind"]), []).append(p)
+    fits: dict = {}
+    for (n, impl, kind), group in sorted(groups.items()):
+        columns = ([p[key] for p in group] for key in ("messages", "sent_bytes", "seconds"))
+        fits.setdefault(n, {}).setdefault(impl, {})[kind] = fit_line(*columns)
+    return fits
+
+
+def predict_seconds(traffic_report: dict[str, dict], fit: dict[str, dict]) -> dict[str, float]:
+    """Predicted seconds inside each collective kind of a run, from its messages and bytes.
+
+    traffic_report: Comm.traffic_report() (or History.traffic) of one rank; fit: fits[N][impl]
+    for that run's N and collectives. Compare with the report's measured "seconds".
+    """
+    return {
+        kind: _predict(fit[kind], t["messages"], t["sent_bytes"])
+        for kind, t in traffic_report.items()
+        if kind in fit
+    }
+
+
+def _predict(line: dict, messages: float, sent_bytes: float) -> float:
+    return line["alpha_s"] * messages + line["beta_s_per_byte"] * sent_bytes
+
+
+def table(fits: dict) -> str:
+    """One line per N, impl and kind: alpha, 1/beta, the crossover alpha/beta and R^2."""
+    header = ("N", "impl", "kind", "alpha us", "1/beta GB/s", "alpha/beta", "R^2")
+    lines = ["{:>2} {:4} {:14} {:>9} {:>11} {:>10} {:>6}".format(*header)]
+    for n, impls in fits.items():
+        for impl, kinds in impls.items():
+            for kind, f in kinds.items():
+                lines.append(
+                    f"{n:>2} {impl:4} {kind:14} {f['alpha_us']:>9.2f} {f['gb_per_s']:>11.2f} "
+                    f"{_human_bytes(f['crossover_bytes']):>10} {f['r2']:>6.3f}"
+                )
+    return "\n".join(lines)
+
+
+def _human_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def plot(points: list[dict], fits: dict):
+    """Measured seconds per call against buffer bytes, log-log, one panel per kind: a marker
+    per point, a line per fit (colour: impl; dashes: N)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.6), sharey=True)
+    colors = {"p2p": "tab:gray", "mpi": "tab:blue", "ring": "tab:orange"}
+    ranks = sorted({p["ranks"] for p in points})
+    for ax, kind in zip(axes, KINDS, strict=True):
+        for (n, impl), style in _series_styles(points, kind, ranks):
+            mine = [p for p in points if (p["ranks"], p["impl"], p["kind"]) == (n, impl, kind)]
+            mine.sort(key=lambda p: p["buffer_bytes"])
+            f = fits[n][impl][kind]
+            x = [p["buffer_bytes"] for p in mine]
+            predicted = [_predict(f, p["messages"], p["sent_bytes"]) for p in mine]
+            ax.loglog(x, [p["seconds"] for p in mine], "o", color=colors[impl], ms=3)
+            ax.loglog(x, predicted, style, color=colors[impl], label=f"{impl} N={n}")
+        ax.set_title(kind)
+        ax.set_xlabel("buffer bytes")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("seconds per call")
+    fig.tight_layout()
+    return fig
+
+
+def _series_styles(points, kind, ranks):
+    dashes = ["-", "--", ":", "-."]
+    present = sorted({(p["ranks"], p["impl"]) for p in points if p["kind"] == kind})
+    return [((n, impl), dashes[ranks.index(n) % len(dashes)]) for n, impl in present]
+
+
+def run(ranks: list[int], quick: bool = False, timeout: float = 900) -> list[dict]:
+    """One `mpiexec -n N python -m fsdp_lesson.commbench --worker` per N; every point."""
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    points = []
+    for n in ranks:
+        start = time.perf_counter()
+        command = [mpiexec, "-n", str(n), sys.executable, "-m", "fsdp_lesson.commbench"]
+        out = subprocess.run(
+            command + ["--worker"] + (["--quick"] if quick else []),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"mpiexec -n {n} failed:\n{out.stderr[-2000:]}")
+        points += json.loads(out.stdout)
+        print(f"N={n}: timed in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_lesson commbench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="default: 2 4")
+    parser.add_argument("--quick", action="store_true", help="sizes up to 16 KiB, short reps")
+    parser.add_argument("--out", type=Path, help="write the points and fits to this JSON file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        points = time_collectives(Comm.world(), QUICK_SIZES if args.quick else SIZES, args.quick)
+        if points is not None:
+            print(json.dumps(points))
+        return 0
+    if min(args.ranks) < 2:
+        parser.error("--ranks: every rank count must be 2 or more")
+    points = run(args.ranks, args.quick)
+    fits = fit(points)
+    print(table(fits))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"points": points, "fits": fits}, indent=1))
+        print(f"wrote {len(points)} points to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
