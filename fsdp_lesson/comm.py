@@ -3,9 +3,10 @@
 Two ways to run them, chosen once per Comm:
 
 - collectives="mpi" (the default): the MPI library's own Allreduce, Allgather, ... over mpi4py's
-  buffer interface. How the library moves the bytes is its business (MPICH picks recursive
-  doubling, Rabenseifner's reduce-scatter + allgather or a ring by message size), so the traffic
-  is *counted*: the ring model applied to each call (docs/zero_formulas.md). For a full buffer of
+  buffer interface. How the library moves the bytes is its business: MPICH picks an algorithm
+  by message size and N (for an allreduce recursive doubling or Rabenseifner's reduce-scatter +
+  allgather, for an allgather recursive doubling, Bruck's or a ring), so the traffic is
+  *counted*: the ring model applied to each call (docs/zero_formulas.md). For a full buffer of
   F bytes over N ranks a rank sends (N-1)/N * F in N-1 messages for an allgather or a
   reduce-scatter, 2(N-1)/N * F in 2(N-1) messages for an allreduce; a broadcast's N-1 messages
   of F bytes are shared by N ranks, (N-1)/N of a message and (N-1)/N * F per rank.

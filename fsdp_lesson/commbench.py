@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -272,7 +273,7 @@ def run(ranks: list[int], quick: bool = False, timeout: float = 900) -> list[dic
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     points = []
     for n in ranks:
-        start = time.perf_counter()
+        start, load_before = time.perf_counter(), os.getloadavg()[0]
         command = [mpiexec, "-n", str(n), sys.executable, "-m", "fsdp_lesson.commbench"]
         out = subprocess.run(
             command + ["--worker"] + (["--quick"] if quick else []),
@@ -283,7 +284,12 @@ def run(ranks: list[int], quick: bool = False, timeout: float = 900) -> list[dic
         if out.returncode != 0:
             raise RuntimeError(f"mpiexec -n {n} failed:\n{out.stderr[-2000:]}")
         points += json.loads(out.stdout)
-        print(f"N={n}: timed in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        print(
+            f"N={n}: timed in {time.perf_counter() - start:.0f} s; load average "
+            f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+            "(other work on the machine slows the small messages most)",
+            file=sys.stderr,
+        )
     return points
 
 
