@@ -294,6 +294,19 @@ class Ranks:
                 line.close()
         return [part.result(timeout=0) for part in per_rank]
 
+    def reset(self) -> None:
+        """Clear every engine's namespace, as `%reset -f` would, so that a notebook run again
+        (or the next one on the same cluster) starts from empty engines. Imported modules stay
+        loaded: after changing the package, restart the cluster instead."""
+        cleared = self.client.clear(targets=self.view.targets, block=False)
+        try:
+            cleared.result(timeout=self._timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"the engines did not clear their namespaces within {self._timeout:g} s: one is "
+                "still running something; wait for it to finish, or restart the cluster"
+            ) from None
+
     def _raise_rank_error(self, per_rank: list, rank: int) -> None:
         """Give the others a moment, restart stuck or dead engines, raise one RankError.
 

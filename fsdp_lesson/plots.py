@@ -5,6 +5,13 @@ memory_bars({"dp": [peak of rank 0, ...]}, formula)       per-rank bytes by cate
 traffic_bars({"dp": {"allreduce": bytes}}, formula)       bytes sent per step by collective
 collective_picture(before, after, "Allreduce")            what a collective does to 4 ranks
 timeline({"prefetch": [trace of rank 0, ...]})            one step's compute and collectives
+name_statistics(lengths, letter_counts)                   the names file at a glance (01)
+token_rows(X, Y, "title")                                 context rows: padding, letters, target
+batch_by_rank(Y_batch, n)                                 which rank keeps which row of a batch
+cluster_picture(engine_ids)                               notebook, controller, engines = ranks
+step_collectives("zero2")                                 which collective runs when in a step
+shard_layout({"fc1": FlatParam, ...})                     each layer's flat vector by owner
+bytes_per_parameter({"fp32": plan.FP32_ADAM, ...})        params, grads, optimizer state per param
 """
 
 from __future__ import annotations
@@ -13,8 +20,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.patches import FancyBboxPatch
 from matplotlib.ticker import FuncFormatter
 
+from .data import ALPHABET
 from .memory import CATEGORIES
 
 KINDS = ("allreduce", "allgather", "reduce_scatter")
@@ -163,3 +172,227 @@ def timeline(traces: dict[str, list[list]], ax: Axes | None = None) -> Figure:
     )
     ax.figure.tight_layout()
     return ax.figure
+
+
+RANK_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3")
+PAD_COLOR = "#c8c8c8"
+
+
+def name_statistics(lengths: np.ndarray, letter_counts: np.ndarray) -> Figure:
+    """A histogram of name lengths next to the count of each letter a-z."""
+    fig, (ax_len, ax_letters) = plt.subplots(1, 2, figsize=(12, 3.2))
+    ax_len.hist(lengths, bins=np.arange(1.5, lengths.max() + 1.5), color="tab:blue", ec="white")
+    ax_len.set(title="name length", xlabel="letters", ylabel="names")
+    ax_letters.bar(list(ALPHABET[1:]), letter_counts, color="tab:orange")
+    ax_letters.set(title="letter frequency", ylabel="occurrences")
+    fig.tight_layout()
+    return fig
+
+
+def token_rows(X: np.ndarray, Y: np.ndarray, title: str = "") -> Figure:
+    """Rows of (context X | target Y) as letters: padding grey, letters blue, target orange."""
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.46 * len(Y)))
+    kind = np.concatenate([(X > 0).astype(int), np.full((len(Y), 1), 2)], axis=1)  # 0, 1, 2
+    colours = plt.matplotlib.colors.ListedColormap(["#dddddd", "#9ecae1", "#fdae6b"])
+    ax.imshow(kind, cmap=colours, vmin=0, vmax=2)
+    rows = np.concatenate([X, Y[:, None]], axis=1)  # (rows, S + 1)
+    for (r, c), token in np.ndenumerate(rows):
+        ax.text(c, r, ALPHABET[token], ha="center", va="center", fontsize=11)
+    ax.axvline(X.shape[1] - 0.5, color="black", lw=2)  # context | target
+    ax.set_xticks(range(rows.shape[1]), [str(i) for i in range(X.shape[1])] + ["Y"])
+    ax.set_yticks(range(len(rows)), [f"row {r}" for r in range(len(rows))])
+    ax.set_title(title)
+    return fig
+
+
+def batch_by_rank(Y_batch: np.ndarray, n: int) -> Figure:
+    """The global batch (each row's target letter) coloured by rank, and what each rank keeps."""
+    b = np.arange(len(Y_batch))
+    by_rank = plt.matplotlib.colors.ListedColormap(["white", *RANK_COLORS[:n]])  # 0 = not kept
+    fig, (ax_batch, ax_ranks) = plt.subplots(
+        2, 1, figsize=(12, 3.4), sharex=True, gridspec_kw={"height_ratios": [1, n]}
+    )
+    ax_batch.imshow([b % n + 1], cmap=by_rank, vmin=0, vmax=n)
+    kept = np.array([np.where(b % n == r, r + 1, 0) for r in range(n)])  # (n, B): b % n == r
+    ax_ranks.imshow(kept, cmap=by_rank, vmin=0, vmax=n)
+    for i, token in enumerate(Y_batch):
+        ax_batch.text(i, 0, ALPHABET[token], ha="center", va="center", color="white")
+        ax_ranks.text(i, i % n, ALPHABET[token], ha="center", va="center", color="white")
+    ax_batch.set(yticks=[], title="the global batch (each row's target letter), coloured by rank")
+    ax_ranks.set_xticks(b[::n], [str(i) for i in b[::n]])
+    ax_ranks.set_xticks(b - 0.5, minor=True)
+    ax_ranks.set_yticks(np.arange(n) - 0.5, minor=True)
+    ax_ranks.grid(which="minor", color="#cccccc")
+    ax_ranks.tick_params(which="minor", length=0)
+    ax_ranks.set(
+        yticks=range(n), yticklabels=[f"rank {r}" for r in range(n)], xlabel="global row b"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def _box(ax: Axes, x: float, y: float, w: float, h: float, text: str, color: str) -> None:
+    """A rounded box with centred text."""
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=color, ec="black"))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=9)
+
+
+def _arrow(ax: Axes, start: tuple, end: tuple, text: str = "", **style) -> None:
+    """A double-headed arrow from start to end, labelled at its middle."""
+    ax.annotate("", end, start, arrowprops=dict(arrowstyle="<->", lw=1.5, **style))
+    if text:
+        middle = ((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + 0.12)
+        ax.text(*middle, text, ha="center", va="bottom", fontsize=8)
+
+
+def cluster_picture(engine_ids: list[int]) -> Figure:
+    """The notebook talks to the controller; the controller to the engines, one per MPI rank.
+
+    engine_ids[r] is the ipyparallel engine id of rank r (Ranks.view.targets)."""
+    n = len(engine_ids)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.75 * n))
+    height = 0.75 * n
+    _box(ax, 0, height / 2 - 0.45, 2.2, 0.9, "this notebook\n(its kernel)", "#fdd0a2")
+    _box(ax, 3.6, height / 2 - 0.45, 2.2, 0.9, "controller\n(ipcontroller)", "#d9d9d9")
+    how = "%%px, pull, ranks.run\n(code and results,\nover ZeroMQ)"
+    _arrow(ax, (2.25, height / 2), (3.55, height / 2), how)
+    ax.add_patch(
+        FancyBboxPatch((7.0, 0.05), 2.9, height - 0.1, boxstyle="round,pad=0.05", fc="#eef3fb",
+                       ec=RANK_COLORS[0], ls="--")
+    )  # fmt: skip
+    ax.text(8.45, height + 0.05, "one MPI world (mpiexec)", ha="center", va="bottom", fontsize=9)
+    for r, engine in enumerate(engine_ids):
+        y = height - 0.75 * (r + 1) + 0.15
+        _box(ax, 7.2, y, 2.5, 0.5, f"engine id {engine} = MPI rank {r}", "white")
+        _arrow(ax, (5.85, height / 2), (7.15, y + 0.25), color="#777777")
+    ax.text(10.1, height / 2, "MPI\ncollectives\nbetween\nthe ranks", fontsize=8, va="center")
+    ax.set(xlim=(-0.1, 11.2), ylim=(-0.1, height + 0.4))
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+STAGES = ("dp", "zero1", "zero2", "zero3")
+COMPUTE = "compute"
+
+
+def step_events(stage: str, layers: tuple[str, ...] = ("emb", "fc1", "fc2")) -> list[tuple]:
+    """(phase, kind, label) of one training step of a strategy, in order, for the layers that
+    have parameters: kind is COMPUTE or a collective. As strategies/*.py and train.py do it."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
+    events = []
+    for layer in layers:  # forward
+        if stage == "zero3":
+            events.append(("forward", "allgather", f"params {layer}"))
+        events.append(("forward", COMPUTE, layer))
+    for layer in reversed(layers):  # backward
+        if stage == "zero3":
+            events.append(("backward", "allgather", f"params {layer}"))
+        events.append(("backward", COMPUTE, layer))
+        if stage == "dp":
+            events.append(("backward", "allreduce", f"grad {layer}"))
+        elif stage in ("zero2", "zero3"):
+            events.append(("backward", "reduce_scatter", f"grad {layer}"))
+    for layer in layers:  # update
+        if stage == "zero1":
+            events.append(("update", "reduce_scatter", f"grad {layer}"))
+        events.append(("update", COMPUTE, f"{'all of ' if stage == 'dp' else 'shard '}{layer}"))
+        if stage in ("zero1", "zero2"):
+            events.append(("update", "allgather", f"params {layer}"))
+    events.append(("log", "allreduce", "loss (8 B)"))  # run() logs the mean loss every step
+    return events
+
+
+def step_collectives(stage: str, layers: tuple[str, ...] = ("emb", "fc1", "fc2")) -> Figure:
+    """One step as a time line: computation on the top lane, collectives below, by phase."""
+    events = step_events(stage, layers)
+    fig, ax = plt.subplots(figsize=(max(8, 0.62 * len(events)), 2.5))
+    phases = {}  # phase -> (first x, last x)
+    for x, (phase, kind, label) in enumerate(events):
+        first, _ = phases.get(phase, (x, x))
+        phases[phase] = (first, x)
+        lane, color = (1, "#d9d9d9") if kind == COMPUTE else (0, KIND_COLORS[kind])
+        ax.add_patch(FancyBboxPatch((x + 0.05, lane + 0.1), 0.9, 0.8, boxstyle="round,pad=0.02",
+                                    fc=color, ec="black"))  # fmt: skip
+        ax.text(x + 0.5, lane + 0.5, label.replace(" ", "\n", 1), ha="center", va="center",
+                fontsize=7, color="black" if kind == COMPUTE else "white")  # fmt: skip
+    for i, (phase, (first, last)) in enumerate(phases.items()):
+        ax.axvspan(first, last + 1, color="#f4f4f4" if i % 2 else "white", zorder=0)
+        ax.text((first + last + 1) / 2, 2.05, phase, ha="center", va="bottom", fontsize=10)
+    for kind in KINDS:
+        if any(k == kind for _, k, _ in events):
+            ax.bar(0, 0, color=KIND_COLORS[kind], label=kind)  # a legend entry, nothing drawn
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    ax.set(xlim=(0, len(events)), ylim=(0, 2.5))
+    ax.set_yticks([0.5, 1.5], ["collectives", "computation"])
+    ax.set_xticks([])
+    ax.set_title(f"{stage}: one training step, in time order", fontsize=10)
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def shard_layout(layouts: dict, zoom_layer: str = "fc2", zoom_cells: int = 40) -> Figure:
+    """Each layer's padded flat vector (a FlatParam) coloured by the rank that owns each slice,
+    padding grey; then the last `zoom_cells` elements of one layer, one cell per element."""
+    fig, axes = plt.subplots(len(layouts) + 1, 1, figsize=(10, 1.0 * len(layouts) + 1.4),
+                             height_ratios=[1] * len(layouts) + [1.4])  # fmt: skip
+    for ax, (name, f) in zip(axes, layouts.items(), strict=False):
+        for r in range(f.world_size):
+            start, stop = f.shard_range(r)
+            ax.barh(0, min(stop, f.numel) - start, left=start, color=RANK_COLORS[r], ec="white")
+            ax.text((start + stop) / 2, 0, f"rank {r}: [{start:,}, {stop:,})", ha="center",
+                    va="center", color="white", fontsize=8)  # fmt: skip
+        if f.padding:
+            ax.barh(0, f.padding, left=f.numel, color=PAD_COLOR, hatch="///")
+        if "b" in f.sizes:
+            ax.axvline(f.sizes["W"], color="black", lw=1)  # where W ends and b begins
+        ax.set(xlim=(0, f.padded_numel), xticks=[])
+        ax.set_yticks([0], [name])
+        label = f"{f.numel:,} + {f.padding} padding\n= {f.world_size} x {f.shard_size:,}"
+        ax.text(1.01, 0.5, label, transform=ax.transAxes, va="center", fontsize=8)
+    f, ax = layouts[zoom_layer], axes[-1]
+    first = f.padded_numel - zoom_cells
+    for i in range(first, f.padded_numel):
+        part = "W" if i < f.sizes["W"] else "b" if i < f.numel else "pad"
+        color = PAD_COLOR if part == "pad" else RANK_COLORS[i // f.shard_size]
+        ax.bar(i, 1, width=0.92, color=color, hatch="///" if part == "pad" else None)
+        ax.text(
+            i,
+            0.5,
+            part,
+            ha="center",
+            va="center",
+            fontsize=6 if part == "pad" else 7,
+            rotation=90 if part == "pad" else 0,
+            color="black" if part == "pad" else "white",
+        )
+    ticks = [first, f.sizes["W"], f.numel]
+    ax.set_xticks(ticks, [f"{t:,}" for t in ticks], fontsize=8)
+    ax.set(yticks=[], xlim=(first - 0.6, f.padded_numel - 0.4))
+    ax.set_title(f"the last {zoom_cells} elements of {zoom_layer}: all owned by rank "
+                 f"{first // f.shard_size}, padding grey", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    return fig
+
+
+def bytes_per_parameter(precisions: dict) -> Figure:
+    """One horizontal bar per precision (a plan.Precision): params + grads + optimizer state."""
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.9 * len(precisions)))
+    parts = (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer state"))
+    for y, p in enumerate(precisions.values()):
+        left = 0
+        for category, label in parts:
+            width = getattr(p, category)
+            ax.barh(y, width, left=left, color=CATEGORY_COLORS[category], edgecolor="white",
+                    label=label if y == 0 else None)  # fmt: skip
+            ax.text(left + width / 2, y, f"{width} B", ha="center", va="center", color="white")
+            left += width
+    ax.set_yticks(range(len(precisions)), list(precisions))
+    ax.invert_yaxis()
+    ax.set(xlabel="bytes per parameter", title="what one parameter costs on a data-parallel rank")
+    ax.legend(loc="upper left", bbox_to_anchor=(1, 1), fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -141,6 +141,17 @@ def test_connect_uses_running_mpi_cluster(external):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(60)
+def test_reset_clears_every_engine_and_the_view_keeps_working(external):
+    external.view.execute("leftover = 1")
+    assert external.view.pull("leftover") == [1, 1, 1, 1]
+    external.reset()
+    external.view.execute("present = 'leftover' in dir()")
+    assert external.view.pull("present") == [False] * 4
+    assert external.run(os.getpid, timeout=30) == external.pids  # the same engines, in rank order
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
 def test_more_engines_than_asked_is_refused(external):
     with pytest.raises(ClusterError) as info:
         connect(n=2, profile="external", timeout=10)

@@ -9,12 +9,25 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from fsdp_lesson import plan  # noqa: E402
+from fsdp_lesson.data import build_rows  # noqa: E402
+from fsdp_lesson.flat import FlatParam  # noqa: E402
 from fsdp_lesson.memory import CATEGORIES  # noqa: E402
 from fsdp_lesson.plots import (  # noqa: E402
+    COMPUTE,
+    STAGES,
+    batch_by_rank,
+    bytes_per_parameter,
+    cluster_picture,
     collective_picture,
     loss_curves,
     memory_bars,
+    name_statistics,
     running_mean,
+    shard_layout,
+    step_collectives,
+    step_events,
+    token_rows,
     traffic_bars,
 )
 
@@ -93,4 +106,97 @@ def test_collective_picture_shows_every_value_of_every_rank():
     assert [t.get_text() for t in left.get_yticklabels()] == [f"rank {r}" for r in range(4)]
     assert fig._suptitle.get_text() == "Reduce_scatter_block"
     assert "→" in [t.get_text() for t in fig.texts]  # the arrow from before to after
+    fig.canvas.draw()
+
+
+def test_name_statistics_one_bar_per_letter():
+    fig = name_statistics(np.array([2, 4, 4, 15]), np.arange(26))
+    assert len(fig.axes) == 2 and len(fig.axes[1].patches) == 26
+    fig.canvas.draw()
+
+
+def test_token_rows_writes_every_token_and_marks_the_target():
+    X, Y = build_rows(["emma"], seq_len=16)
+    fig = token_rows(X, Y, "emma")
+    ax = fig.axes[0]
+    assert len(ax.texts) == 5 * 17
+    assert [t.get_text() for t in ax.texts[:17]] == list("............emma.")
+    assert ax.get_images()[0].get_array()[0].tolist() == [0] * 12 + [1] * 4 + [2]
+    fig.canvas.draw()
+
+
+def test_batch_by_rank_row_b_is_kept_by_rank_b_mod_n():
+    fig = batch_by_rank(np.arange(1, 13), 4)
+    kept = fig.axes[1].get_images()[0].get_array()
+    assert kept.shape == (4, 12)
+    assert all(kept[b % 4, b] == b % 4 + 1 and kept[:, b].sum() == b % 4 + 1 for b in range(12))
+    fig.canvas.draw()
+
+
+def test_cluster_picture_names_each_rank_with_its_engine_id():
+    fig = cluster_picture([2, 0, 3, 1])
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert [t for t in texts if "MPI rank" in t] == [
+        "engine id 2 = MPI rank 0", "engine id 0 = MPI rank 1",
+        "engine id 3 = MPI rank 2", "engine id 1 = MPI rank 3",
+    ]  # fmt: skip
+    fig.canvas.draw()
+
+
+def collectives(stage: str, phase: str) -> list[tuple[str, str]]:
+    return [
+        (kind, label) for p, kind, label in step_events(stage) if p == phase and kind != COMPUTE
+    ]
+
+
+def test_step_events_follow_the_strategies():
+    """The collectives of one step, as strategies/*.py call them (and Comm counts them)."""
+    grads = ["grad fc2", "grad fc1", "grad emb"]  # backward runs the layers in reverse
+    params = ["params emb", "params fc1", "params fc2"]
+    assert collectives("dp", "backward") == [("allreduce", g) for g in grads]
+    assert collectives("dp", "update") == []
+    assert collectives("zero1", "backward") == []
+    assert collectives("zero1", "update") == [
+        pair
+        for g, p in zip(grads[::-1], params, strict=True)
+        for pair in (("reduce_scatter", g), ("allgather", p))
+    ]
+    assert collectives("zero2", "backward") == [("reduce_scatter", g) for g in grads]
+    assert collectives("zero2", "update") == [("allgather", p) for p in params]
+    assert collectives("zero3", "forward") == [("allgather", p) for p in params]
+    assert collectives("zero3", "backward") == [
+        pair
+        for p, g in zip(params[::-1], grads, strict=True)
+        for pair in (("allgather", p), ("reduce_scatter", g))
+    ]
+    for stage in STAGES:  # and every step logs its loss
+        assert collectives(stage, "log") == [("allreduce", "loss (8 B)")]
+    with pytest.raises(ValueError, match="unknown stage 'zero4'"):
+        step_events("zero4")
+
+
+def test_step_collectives_draws_one_box_per_event():
+    fig = step_collectives("zero2")
+    ax = fig.axes[0]
+    boxes = [p for p in ax.patches if not isinstance(p, Rectangle)]
+    assert len(boxes) == len(step_events("zero2"))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "allreduce", "allgather", "reduce_scatter"
+    ]  # fmt: skip
+    fig.canvas.draw()
+
+
+def test_shard_layout_one_slice_per_rank_and_the_padding():
+    layouts = {"fc2": FlatParam({"W": (64, 27), "b": (27,)}, 4)}
+    fig = shard_layout(layouts, zoom_cells=10)
+    slices = [p for p in fig.axes[0].patches if isinstance(p, Rectangle)]
+    assert [r.get_width() for r in slices] == [439, 439, 439, 438, 1]  # rank 3's + 1 padding
+    assert len(fig.axes[1].patches) == 10
+    fig.canvas.draw()
+
+
+def test_bytes_per_parameter_stacks_params_grads_optimizer():
+    fig = bytes_per_parameter({"fp32": plan.FP32_ADAM, "mixed": plan.MIXED_ADAM})
+    widths = [r.get_width() for r in bars(fig)]
+    assert widths == [4, 4, 8, 2, 2, 12]
     fig.canvas.draw()
