@@ -125,3 +125,120 @@ def collective_picture(before: list[np.ndarray], after: list[np.ndarray], title:
     middle = ((left.x1 + right.x0) / 2, (left.y0 + left.y1) / 2)
     fig.text(*middle, "→", ha="center", va="center", fontsize=20)
     return fig
+
+
+# --- notebooks 05, 07-09: ZeRO-3's schedule, memory over a step, shards, the dashed line ----
+
+RANK_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")
+PAD_COLOR = "#c8c8c8"
+PAPER_FORMULA = "ZeRO formula (Ψ_pad): params + grads + optimizer"  # the dashed line's meaning
+
+
+def formula_legend(fig: Figure, meaning: str = PAPER_FORMULA) -> Figure:
+    """Say in the legend what the dashed line of memory_bars/traffic_bars is, and keep it
+    inside the frame (a little headroom above the tallest bar or line)."""
+    ax = fig.axes[0]
+    for collection in ax.collections:  # the dashed formula lines
+        collection.set_label(meaning)
+    top = max([p.get_y() + p.get_height() for p in ax.patches if p.get_height()] or [0.0])
+    lines = [y for c in ax.collections for s in c.get_segments() for _, y in s]
+    ax.set_ylim(0, 1.08 * max([top, *lines]))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
+def zero3_schedule(layers: list[str]) -> Figure:
+    """Which collective runs when in one ZeRO-3 step: per layer, allgather → compute → release
+    in forward; allgather → backward → reduce-scatter in backward; the update sends nothing."""
+    fig, ax = plt.subplots(figsize=(12, 2.6))
+    rows = {"collective": 1.0, "compute": 0.0}
+    x = 0.0
+
+    def box(row: str, text: str, color: str, width: float = 1.0) -> None:
+        nonlocal x
+        ax.barh(rows[row], width, left=x, height=0.7, color=color, edgecolor="white")
+        ax.text(x + width / 2, rows[row], text, ha="center", va="center", fontsize=7)
+        x += width
+
+    for name in layers:  # forward
+        box("collective", f"allgather\n{name}", KIND_COLORS["allgather"])
+        box("compute", f"forward\n{name}\n(release)", "#dddddd")
+    box("compute", "loss", "#bbbbbb", 0.6)
+    backward_start = x
+    for name in reversed(layers):
+        box("collective", f"allgather\n{name}", KIND_COLORS["allgather"])
+        box("compute", f"backward\n{name}", "#dddddd")
+        box("collective", f"reduce-\nscatter\n{name}", KIND_COLORS["reduce_scatter"])
+    box("compute", "update\nshards", "#bbbbbb", 0.8)
+    ax.axvline(backward_start, color="black", lw=0.8)
+    ax.text(backward_start / 2, 1.65, "forward", ha="center")
+    ax.text((backward_start + x) / 2, 1.65, "backward, then the update", ha="center")
+    ax.set_yticks(list(rows.values()), list(rows))
+    ax.set_xticks([])
+    ax.set(xlim=(0, x), ylim=(-0.5, 1.9), title="one ZeRO-3 step on every rank, left to right")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def memory_timeline(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
+    """Live bytes on a rank at every ledger event of one step, a panel per strategy; the
+    backward pass shaded from the event "hold dlogits"; zero3's gathers dotted."""
+    widths = [len(t) for t in timelines.values()]
+    fig, axes = plt.subplots(1, len(timelines), figsize=(13, 4.4), width_ratios=widths)
+    for ax, (label, timeline) in zip(np.atleast_1d(axes), timelines.items(), strict=True):
+        events, live = zip(*timeline, strict=True)
+        ax.plot(range(len(live)), live, marker="o", ms=3, color=CATEGORY_COLORS["activations"])
+        backward = events.index("hold dlogits") - 0.5
+        ax.axvspan(backward, len(events) - 0.5, color="#eeeeee", zorder=0)
+        axis = ax.get_xaxis_transform()
+        ax.text(backward / 2, 0.03, "forward", transform=axis, ha="center")
+        ax.text((backward + len(events)) / 2, 0.03, "backward", transform=axis, ha="center")
+        for i, event in enumerate(events):
+            if event.startswith("gather"):
+                ax.axvline(i, color=KIND_COLORS["allgather"], ls=":", lw=1)
+        ax.set_xticks(range(len(events)), events, rotation=90, fontsize=6)
+        ax.set_xlim(-0.5, len(events) - 0.5)
+        span = max(live) - min(live)
+        ax.set_ylim(min(live) - 0.3 * span, max(live) + 0.1 * span)
+        ax.yaxis.set_major_formatter(KB)
+        ax.set_ylabel("kB live on each rank")
+        dotted = " (dotted: a layer is gathered)" if "zero3" in label else ""
+        ax.set_title(f"{label}: live bytes during one step{dotted}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def rank_shards(layouts: dict, n: int) -> Figure:
+    """One row per rank, one column per layer (FlatParam layouts): the slice the rank keeps
+    filled in, the rest of the layer an empty outline, the padding hatched grey."""
+    fig, axes = plt.subplots(n, len(layouts), figsize=(11, 0.55 * n + 1.0), squeeze=False)
+    for r in range(n):
+        for c, (name, f) in enumerate(layouts.items()):
+            ax = axes[r, c]
+            ax.barh(0, f.numel, color="white", edgecolor="#aaaaaa")  # the layer: not kept
+            start, stop = f.shard_range(r)
+            ax.barh(0, min(stop, f.numel) - start, left=start, color=RANK_COLORS[r])
+            if stop > f.numel:  # this rank's slice ends in padding
+                ax.barh(0, stop - f.numel, left=f.numel, color=PAD_COLOR, hatch="///")
+                ax.annotate(
+                    f"+{stop - f.numel} padding",
+                    xy=(f.padded_numel, 0.3),
+                    xytext=(0.55, 0.62),
+                    textcoords="axes fraction",
+                    fontsize=7,
+                    arrowprops={"arrowstyle": "->", "lw": 0.8},
+                )
+            ax.set(xlim=(0, f.padded_numel), xticks=[], yticks=[])
+            if r == 0:
+                ax.set_title(f"{name}: {f.padded_numel:,} = {n} x {f.shard_size:,}", fontsize=9)
+        axes[r, 0].set_ylabel(f"rank {r}", rotation=0, ha="right", va="center")
+        mine = sum(f.shard_size for f in layouts.values())
+        axes[r, -1].text(
+            1.04, 0.5, f"keeps {mine:,}", transform=axes[r, -1].transAxes, va="center", fontsize=8
+        )
+    fig.suptitle("ZeRO-3: what each rank keeps of every layer", fontsize=10)
+    fig.tight_layout()
+    return fig
