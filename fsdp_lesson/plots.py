@@ -334,6 +334,25 @@ def step_collectives(stage: str, layers: tuple[str, ...] = ("emb", "fc1", "fc2")
     return fig
 
 
+# --- notebooks 05, 07-09: ZeRO-3's schedule, memory over a step, shards, the dashed line ----
+
+PAPER_FORMULA = "ZeRO formula (Ψ_pad): params + grads + optimizer"  # the dashed line's meaning
+
+
+def formula_legend(fig: Figure, meaning: str = PAPER_FORMULA) -> Figure:
+    """Say in the legend what the dashed line of memory_bars/traffic_bars is, and keep it
+    inside the frame (a little headroom above the tallest bar or line)."""
+    ax = fig.axes[0]
+    for collection in ax.collections:  # the dashed formula lines
+        collection.set_label(meaning)
+    top = max([p.get_y() + p.get_height() for p in ax.patches if p.get_height()] or [0.0])
+    lines = [y for c in ax.collections for s in c.get_segments() for _, y in s]
+    ax.set_ylim(0, 1.08 * max([top, *lines]))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
 def shard_layout(layouts: dict, zoom_layer: str = "fc2", zoom_cells: int = 40) -> Figure:
     """Each layer's padded flat vector (a FlatParam) coloured by the rank that owns each slice,
     padding grey; then the last `zoom_cells` elements of one layer, one cell per element."""
@@ -394,5 +413,66 @@ def bytes_per_parameter(precisions: dict) -> Figure:
     ax.invert_yaxis()
     ax.set(xlabel="bytes per parameter", title="what one parameter costs on a data-parallel rank")
     ax.legend(loc="upper left", bbox_to_anchor=(1, 1), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def memory_timeline(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
+    """Live bytes on a rank at every ledger event of one step, a panel per strategy; the
+    backward pass shaded from the event "hold dlogits"; zero3's gathers dotted."""
+    widths = [len(t) for t in timelines.values()]
+    fig, axes = plt.subplots(1, len(timelines), figsize=(13, 4.4), width_ratios=widths)
+    for ax, (label, timeline) in zip(np.atleast_1d(axes), timelines.items(), strict=True):
+        events, live = zip(*timeline, strict=True)
+        ax.plot(range(len(live)), live, marker="o", ms=3, color=CATEGORY_COLORS["activations"])
+        backward = events.index("hold dlogits") - 0.5
+        ax.axvspan(backward, len(events) - 0.5, color="#eeeeee", zorder=0)
+        axis = ax.get_xaxis_transform()
+        ax.text(backward / 2, 0.03, "forward", transform=axis, ha="center")
+        ax.text((backward + len(events)) / 2, 0.03, "backward", transform=axis, ha="center")
+        for i, event in enumerate(events):
+            if event.startswith("gather"):
+                ax.axvline(i, color=KIND_COLORS["allgather"], ls=":", lw=1)
+        ax.set_xticks(range(len(events)), events, rotation=90, fontsize=6)
+        ax.set_xlim(-0.5, len(events) - 0.5)
+        span = max(live) - min(live)
+        ax.set_ylim(min(live) - 0.3 * span, max(live) + 0.1 * span)
+        ax.yaxis.set_major_formatter(KB)
+        ax.set_ylabel("kB live on each rank")
+        dotted = " (dotted: a layer is gathered)" if "zero3" in label else ""
+        ax.set_title(f"{label}: live bytes during one step{dotted}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def rank_shards(layouts: dict, n: int) -> Figure:
+    """One row per rank, one column per layer (FlatParam layouts): the slice the rank keeps
+    filled in, the rest of the layer an empty outline, the padding hatched grey."""
+    fig, axes = plt.subplots(n, len(layouts), figsize=(11, 0.55 * n + 1.0), squeeze=False)
+    for r in range(n):
+        for c, (name, f) in enumerate(layouts.items()):
+            ax = axes[r, c]
+            ax.barh(0, f.numel, color="white", edgecolor="#aaaaaa")  # the layer: not kept
+            start, stop = f.shard_range(r)
+            ax.barh(0, min(stop, f.numel) - start, left=start, color=RANK_COLORS[r])
+            if stop > f.numel:  # this rank's slice ends in padding
+                ax.barh(0, stop - f.numel, left=f.numel, color=PAD_COLOR, hatch="///")
+                ax.annotate(
+                    f"+{stop - f.numel} padding",
+                    xy=(f.padded_numel, 0.3),
+                    xytext=(0.55, 0.62),
+                    textcoords="axes fraction",
+                    fontsize=7,
+                    arrowprops={"arrowstyle": "->", "lw": 0.8},
+                )
+            ax.set(xlim=(0, f.padded_numel), xticks=[], yticks=[])
+            if r == 0:
+                ax.set_title(f"{name}: {f.padded_numel:,} = {n} x {f.shard_size:,}", fontsize=9)
+        axes[r, 0].set_ylabel(f"rank {r}", rotation=0, ha="right", va="center")
+        mine = sum(f.shard_size for f in layouts.values())
+        axes[r, -1].text(
+            1.04, 0.5, f"keeps {mine:,}", transform=axes[r, -1].transAxes, va="center", fontsize=8
+        )
+    fig.suptitle("ZeRO-3: what each rank keeps of every layer", fontsize=10)
     fig.tight_layout()
     return fig

@@ -200,3 +200,36 @@ def test_bytes_per_parameter_stacks_params_grads_optimizer():
     widths = [r.get_width() for r in bars(fig)]
     assert widths == [4, 4, 8, 2, 2, 12]
     fig.canvas.draw()
+
+
+def test_formula_legend_names_the_dashed_line_and_keeps_it_in_the_frame():
+    from fsdp_lesson.plots import PAPER_FORMULA, formula_legend
+
+    peak = dict(params=400, grads=400, optimizer=0, activations=100, buffers=0)
+    fig = formula_legend(memory_bars({"dp": [peak]}, formula={"dp": dict(params=2000)}))
+    ax = fig.axes[0]
+    (line,) = ax.collections
+    assert line.get_label() == PAPER_FORMULA
+    assert PAPER_FORMULA in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_ylim()[1] > 2000  # above the line, which is above the bar
+    fig.canvas.draw()
+
+
+def test_memory_timeline_shades_backward_from_dlogits():
+    from fsdp_lesson.plots import memory_timeline
+
+    timeline = [("start", 10), ("hold emb", 12), ("hold dlogits", 15), ("free emb", 11)]
+    ax = memory_timeline({"zero3": timeline}).axes[0]
+    (shade,) = [p for p in ax.patches if not isinstance(p, Rectangle) or p.get_width() != 1]
+    assert shade.get_x() == 1.5  # between "hold emb" and "hold dlogits"
+    assert list(ax.get_lines()[0].get_ydata()) == [10, 12, 15, 11]
+
+
+def test_rank_shards_fills_each_ranks_slice():
+    from fsdp_lesson.flat import FlatParam
+    from fsdp_lesson.plots import rank_shards
+
+    fig = rank_shards({"fc": FlatParam({"W": (5,)}, 2)}, 2)
+    assert len(fig.axes) == 2
+    widths = [[p.get_width() for p in ax.patches] for ax in fig.axes]
+    assert widths == [[5, 3], [5, 2, 1]]  # the layer, rank 1's 2 numbers + 1 padding

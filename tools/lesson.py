@@ -62,7 +62,7 @@ def run_lesson(notebooks: list[Path]) -> int:
     from execute_notebooks import execute
 
     prepare_environment()
-    os.environ["FSDP_LESSON_DOCS"] = "1"  # notebook 06 saves the README's plots to docs/
+    os.environ["FSDP_LESSON_DOCS"] = "1"  # notebook 07 saves the README's plots to docs/
     html_dir = ROOT / "build" / "html"
     html_dir.mkdir(parents=True, exist_ok=True)
     summary = []
