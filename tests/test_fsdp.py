@@ -2,13 +2,12 @@
 prefetch, reshard-after-forward and hybrid sharding, each against single and the planner."""
 
 import pickle
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi_helpers import mpiexec
 
 from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
@@ -19,19 +18,8 @@ from fsdp_lesson.train import run
 from fsdp_lesson.units import make_units
 
 HERE = Path(__file__).parent
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 OPTIONS = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")
 pytestmark = pytest.mark.mpi
-
-
-def mpiexec(n: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [MPIEXEC, "-n", str(n), sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=HERE.parent,
-    )
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"N{n}")

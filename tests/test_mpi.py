@@ -7,13 +7,12 @@ wrote with `single` computed here: equivalence, memory to the byte, traffic to t
 import json
 import math
 import pickle
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi_helpers import assert_same_as_single, mpiexec
 
 from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
@@ -23,19 +22,7 @@ from fsdp_lesson.train import run
 
 HERE = Path(__file__).parent
 WORLD_SIZES = [1, 2, 3, 4]
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 pytestmark = pytest.mark.mpi
-
-
-def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `mpiexec -n n python ARGS` with a timeout; never hangs the test suite."""
-    return subprocess.run(
-        [MPIEXEC, "-n", str(n), sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=HERE.parent,
-    )
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
@@ -64,13 +51,7 @@ def test_every_strategy_trains_the_same_model_as_single(world):
     for name in equivalence_runs(results):
         r = results[name]
         history, params = single_reference(r["model_config"], r["train_config"])
-        loss_diff = np.abs(r["losses"] - history.losses).max()
-        assert loss_diff <= 1e-5, f"{name} at N={n}: loss differs by {loss_diff:.1e}"
-        for layer, p in params.items():
-            for k, v in p.items():
-                diff = np.abs(r["params"][layer][k] - v).max()
-                assert diff <= 1e-5, f"{name} at N={n}: {layer}.{k} differs by {diff:.1e}"
-        assert r["samples"] == history.samples, f"{name} at N={n}: samples differ from single's"
+        assert_same_as_single(f"{name} at N={n}", r, history, params)
 
 
 def layer_sizes(model_config) -> list[int]:

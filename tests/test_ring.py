@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_mpi import mpiexec
+from mpi_helpers import assert_same_as_single, mpiexec
 
 from fsdp_lesson.comm import Comm
 from fsdp_lesson.config import ModelConfig
@@ -156,13 +156,7 @@ def test_every_strategy_with_ring_collectives_trains_the_same_model_as_single(wo
     n, results = world
     for name, r in results["train"].items():
         history, params = single_reference(r["train_config"])
-        loss_diff = np.abs(r["losses"] - history.losses).max()
-        assert loss_diff <= 1e-5, f"{name} N={n}: loss differs by {loss_diff:.1e}"
-        for layer, p in params.items():
-            for k, v in p.items():
-                diff = np.abs(r["params"][layer][k] - v).max()
-                assert diff <= 1e-5, f"{name} N={n}: {layer}.{k} differs by {diff:.1e}"
-        assert r["samples"] == history.samples, f"{name} N={n}"
+        assert_same_as_single(f"{name} N={n}", r, history, params)
 
 
 def test_training_traffic_is_measured_to_the_byte(world):
