@@ -25,8 +25,9 @@ except ImportError:  # a Python without the project's packages, e.g. outside .ve
         f"the project's environment first (. .venv/bin/activate), or run make run / make test"
     )
 
-from .config import OPTIMIZERS, ConfigError, ModelConfig, RunConfig, TrainConfig
+from .config import ACCUM_REDUCE, OPTIMIZERS, ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import DEFAULT_PATH, NAMES_SHA256, DataError, build_names_file, sha256_of
+from .precision import PRECISIONS
 from .sharding import STRATEGIES
 
 
@@ -192,6 +193,24 @@ def build_parser() -> Parser:
         help="zero3 HSDP: R replica groups of N/R ranks; shard within, average across",
     )
     train.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=d.precision,
+        help="bf16/fp16: 16-bit params and grads, fp32 master weights (fp16: loss scaling)",
+    )
+    train.add_argument(
+        "--accum",
+        type=positive_int,
+        default=d.accum,
+        help="gradient accumulation: K micro-batches of --batch rows per optimizer step",
+    )
+    train.add_argument(
+        "--accum-reduce",
+        choices=ACCUM_REDUCE,
+        default=d.accum_reduce,
+        help="reduce gradients after every micro-batch, or once after the last (no_sync)",
+    )
+    train.add_argument(
         "--trace-step",
         type=nonnegative_int,
         default=None,
@@ -283,6 +302,9 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         prefetch=args.prefetch,
         reshard_after_forward=getattr(args, "reshard_after_forward", True),
         replicate=args.replicate,
+        precision=args.precision,
+        accum=args.accum,
+        accum_reduce=args.accum_reduce,
     )
     run_config = RunConfig(
         data=args.data,

@@ -13,6 +13,11 @@ Two ways to run them, chosen once per Comm:
 - collectives="ring": the rings of Sendrecv in ring.py, so the traffic is *measured*: the bytes
   and messages this rank really handed to MPI.
 
+16-bit buffers (mixed precision, precision.py) move as 16 bits: half the bytes of float32.
+MPI has no sum for bfloat16, so their reductions always run ring.py's algorithm with numpy
+doing the adds (in mpi mode too, counted as before); allgathers and broadcasts only copy, so the
+library moves their uint16 bits.
+
 A Comm built without an MPI communicator is one rank and needs no MPI at all.
 """
 
@@ -24,7 +29,7 @@ from time import perf_counter
 
 import numpy as np
 
-from .ring import KINDS, Ring, Sent
+from .ring import KINDS, Ring, Sent, on_wire
 
 COLLECTIVES = ("mpi", "ring")
 # messages and bytes a rank sends per call in the ring model, in units of (N-1) and (N-1)/N * F
@@ -59,6 +64,9 @@ class Comm:
         self.traffic = {kind: Traffic() for kind in KINDS}
         # ring mode: the ring adds what it sends straight into the Traffic records
         self.ring = Ring(mpi_comm, sent=self.traffic) if collectives == "ring" else None
+        # mpi mode's 16-bit reductions: the ring summing in numpy (its own sends not recorded:
+        # the call is counted by the ring model, as every call of mpi mode)
+        self.summing = self.ring or Ring(mpi_comm)
         # mpi mode, per call: (RING_FACTOR * (N-1), messages); sent_bytes += that * F / N
         self._counted = {kind: (f * (n - 1), f * (n - 1)) for kind, f in RING_FACTOR.items()}
         self._counted["bcast"] = (n - 1, (n - 1) / n)
@@ -88,8 +96,8 @@ class Comm:
             return buf
         start = perf_counter()
         if self.size > 1:
-            if self.ring is not None:
-                self.ring.allreduce(buf)
+            if self.ring is not None or buf.dtype.itemsize == 2:
+                self.summing.allreduce(buf)
             else:
                 self.mpi.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
             buf /= buf.dtype.type(self.size)
@@ -116,7 +124,8 @@ class Comm:
             if self.ring is not None:
                 self.ring.allgather(full)
             else:
-                self.mpi.Allgather(self.MPI.IN_PLACE if shard is None else shard, full)
+                send = self.MPI.IN_PLACE if shard is None else on_wire(shard)
+                self.mpi.Allgather(send, on_wire(full))
         self._account("allgather", full.nbytes, start)
         return full
 
@@ -135,8 +144,8 @@ class Comm:
             if not in_place:
                 shard[...] = full
         else:
-            if self.ring is not None:
-                self.ring.reduce_scatter(full, shard)
+            if self.ring is not None or full.dtype.itemsize == 2:
+                self.summing.reduce_scatter(full, shard)
             else:
                 send, recv = (self.MPI.IN_PLACE, full) if in_place else (full, shard)
                 self.mpi.Reduce_scatter_block(send, recv, op=self.MPI.SUM)
@@ -151,7 +160,7 @@ class Comm:
             if self.ring is not None:
                 self.ring.bcast(buf, root)
             else:
-                self.mpi.Bcast(buf, root=root)
+                self.mpi.Bcast(on_wire(buf), root=root)
         self._account("bcast", buf.nbytes, start)
         return buf
 
@@ -205,11 +214,12 @@ class Comm:
         """Start full <- every rank's shard (MPI_Iallgather); the Request's wait() completes it."""
         if self.ring is not None or self.mpi is None or full.size == 0:
             return Request.done(self, lambda: self.allgather(shard, full))
-        return Request(self, "allgather", full.nbytes, self.mpi.Iallgather(shard, full), None)
+        started = self.mpi.Iallgather(on_wire(shard), on_wire(full))
+        return Request(self, "allgather", full.nbytes, started, None)
 
     def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> Request:
         """Start shard <- this rank's slice of the mean of `full` (MPI_Ireduce_scatter_block)."""
-        if self.ring is not None or self.mpi is None or full.size == 0:
+        if self.ring is not None or self.mpi is None or full.size == 0 or full.dtype.itemsize == 2:
             return Request.done(self, lambda: self.reduce_scatter_mean(full, shard))
         started = self.mpi.Ireduce_scatter_block(full, shard, op=self.MPI.SUM)
         return Request(self, "reduce_scatter", full.nbytes, started, shard)

@@ -13,9 +13,11 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .precision import PRECISIONS
 from .sharding import STRATEGIES
 
 OPTIMIZERS = ("sgd", "adam")
+ACCUM_REDUCE = ("every", "last")
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the seed's rate
 
 
@@ -66,6 +68,10 @@ class TrainConfig:
     prefetch: bool = True  # gather the next unit while this one computes (same numbers)
     reshard_after_forward: bool = True  # False: keep units gathered from forward to backward
     replicate: int = 1  # HSDP: R groups of N/R ranks; shard within, average across
+    # the other memory levers (precision.py, docs/architecture.md "Memory levers")
+    precision: str = "fp32"  # bf16/fp16: 16-bit params and grads, fp32 master weights
+    accum: int = 1  # micro-batches of `batch` rows each per optimizer step
+    accum_reduce: str = "every"  # zero2/zero3: reduce every micro-batch, or once at the "last"
 
     def __post_init__(self) -> None:
         if self.lr is None and self.optimizer in DEFAULT_LR:
@@ -109,6 +115,15 @@ class TrainConfig:
             or (self.layers_per_unit, self.reshard_after_forward, self.replicate) == (1, True, 1),
             "--layers-per-unit, --no-reshard-after-forward and --replicate shape how zero3 "
             "shards: use them with --strategy zero3",
+        )
+        _require(
+            self.precision in PRECISIONS,
+            f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}",
+        )
+        _require(self.accum >= 1, f"accum must be a positive integer, got {self.accum}")
+        _require(
+            self.accum_reduce in ACCUM_REDUCE,
+            f"unknown accum_reduce {self.accum_reduce!r}: choose every or last",
         )
         _require(
             world_size % self.replicate == 0,

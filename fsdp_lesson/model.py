@@ -88,11 +88,15 @@ class SoftmaxCrossEntropy:
         picked = probs[np.arange(len(targets)), targets].astype(np.float64)
         return float(-np.mean(np.log(picked))), (probs, targets)
 
-    def backward(self, cache: tuple) -> np.ndarray:
-        """(probs - onehot(targets)) / B, computed in place in the cache's probs."""
+    def backward(self, cache: tuple, rows: int | None = None) -> np.ndarray:
+        """(probs - onehot(targets)) / B, computed in place in the cache's probs.
+
+        rows: B, when the mean is over more rows than these (gradient accumulation: the rows of
+        all micro-batches of the step); by default these rows.
+        """
         dlogits, targets = cache
         dlogits[np.arange(len(targets)), targets] -= 1
-        dlogits /= len(targets)  # the mean over this rank's rows
+        dlogits /= rows or len(targets)  # the mean over this rank's rows
         return dlogits  # (B, V)
 
 

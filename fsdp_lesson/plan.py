@@ -29,6 +29,14 @@ class Precision:
 FP32_SGD = Precision(4, 4, 0)  # this package with --optimizer sgd
 FP32_ADAM = Precision(4, 4, 8)  # this package with --optimizer adam: m and v
 MIXED_ADAM = Precision(2, 2, 12)  # the ZeRO paper: fp16 params and grads, K = 12 (fp32 copy, m, v)
+MIXED_SGD = Precision(2, 2, 4)  # --precision bf16/fp16 --optimizer sgd: the fp32 master only
+
+
+def precision_of(precision: str, optimizer: str) -> Precision:
+    """Bytes per parameter of a run of this package (--precision, --optimizer)."""
+    if precision == "fp32":
+        return FP32_ADAM if optimizer == "adam" else FP32_SGD
+    return MIXED_ADAM if optimizer == "adam" else MIXED_SGD
 
 
 def state_bytes(stage: str, psi: float, n: int, precision: Precision = MIXED_ADAM) -> dict:
@@ -115,6 +123,99 @@ def gathered_peak(units: list[int], prefetch: bool, reshard_after_forward: bool)
     return peak
 
 
+def kept_full_peak(
+    kept: list[int], upcast: list[int], sizes: list[int], mixed: bool, accum: int
+) -> int:
+    """zero2 with accum_reduce "last": the peak of every layer's kept full gradient (bytes
+    `kept`) plus one layer's float32 upcast and gradient scratch.
+
+    Micro-batch 0 allocates them from the last layer down; the middle micro-batches hold all
+    of them; the last frees each after its reduce-scatter, from the last layer down.
+    """
+    first = [u + (4 * s if mixed else 0) for u, s in zip(upcast, sizes, strict=True)]
+    later = [u + 4 * s for u, s in zip(upcast, sizes, strict=True)]
+    peak = sum(kept) + max(upcast)  # forward of micro-batch 1
+    if accum >= 3:
+        peak = max(peak, sum(kept) + max(later))
+    for i in range(len(kept)):
+        peak = max(peak, sum(kept[i:]) + first[i], sum(kept[: i + 1]) + later[i])
+    return peak
+
+
+def per_layer(flat, layer: str) -> int:
+    """Parameters of one layer of a unit's flat layout (its keys are "layer.param")."""
+    return sum(size for key, size in flat.sizes.items() if key.rsplit(".", 1)[0] == layer)
+
+
+def zero3_buffer_peak(
+    units: list[list[int]],
+    padded_numels: list[int],
+    group: int,
+    item: int,
+    *,
+    mixed: bool,
+    accum: int,
+    keep_full: bool,
+    prefetch: bool,
+    reshard_after_forward: bool,
+) -> int:
+    """zero3's peak of buffers over one step, replaying its allocations in their order.
+
+    units: each non-empty unit's layers' parameter counts; its full buffers (gathered
+    parameters, full gradient) hold `item` bytes per element of its padded size. The levers
+    add: each layer's float32 upcast (mixed precision), its float32 gradient scratch (mixed,
+    or adding into a kept gradient), a micro-batch's gradient shard to add ("every", after
+    the first micro-batch) and full gradients kept across micro-batches ("last").
+    """
+    live: dict[tuple, int] = {}
+    peak, count, pending = 0, len(units), []
+    full = [item * p for p in padded_numels]
+
+    def hold(key: tuple, nbytes: int) -> None:
+        nonlocal peak
+        if key not in live:
+            live[key] = nbytes
+            peak = max(peak, sum(live.values()))
+
+    def finish(u: int) -> None:  # a unit's reduce-scatter completes: its buffers are free
+        live.pop(("grad", u))
+        live.pop(("part", u), None)
+
+    for micro in range(accum):
+        while pending:  # begin_micro_batch
+            finish(pending.pop(0))
+        for u in range(count):  # forward
+            hold(("params", u), full[u])
+            if prefetch and u + 1 < count:
+                hold(("params", u + 1), full[u + 1])
+            for numel in units[u]:
+                hold(("upcast",), 4 * numel if mixed else 0)
+                live.pop(("upcast",))
+            if reshard_after_forward:
+                live.pop(("params", u))
+        for u in reversed(range(count)):  # backward
+            hold(("params", u), full[u])
+            if prefetch and u > 0:
+                hold(("params", u - 1), full[u - 1])
+            for i in reversed(range(len(units[u]))):
+                hold(("upcast",), 4 * units[u][i] if mixed else 0)
+                hold(("grad", u), full[u])
+                if mixed or (keep_full and micro > 0):
+                    hold(("scratch",), 4 * units[u][i])
+                    live.pop(("scratch",))
+                if i == 0 and (not keep_full or micro == accum - 1):
+                    if micro > 0 and not keep_full:
+                        hold(("part", u), full[u] // group)
+                    pending.append(u)
+                    while len(pending) > (1 if prefetch else 0):
+                        finish(pending.pop(0))
+                live.pop(("upcast",))
+            live.pop(("params", u))
+    if mixed:  # step(): each owned gradient shard upcast to float32 for the update
+        hold(("step",), max(4 * p // group for p in padded_numels))
+    return peak
+
+
 def ledger_bytes(
     strategy: str,
     model_config: ModelConfig,
@@ -126,26 +227,56 @@ def ledger_bytes(
     prefetch: bool = True,
     reshard_after_forward: bool = True,
     replicate: int = 1,
+    precision: str = "fp32",
+    accum: int = 1,
+    accum_reduce: str = "every",
 ) -> dict:
     """What MemoryLedger's peaks per category will be for this run, to the byte.
 
-    The keyword arguments are zero3's options (TrainConfig's fields of the same names).
+    The keyword arguments are zero3's options and the memory levers (TrainConfig's fields
+    of the same names); the defaults are a run without them.
     """
     sizes = layer_sizes(model_config)
-    precision = FP32_ADAM if optimizer == "adam" else FP32_SGD
+    bytes_per = precision_of(precision, optimizer)
+    mixed, item = precision != "fp32", bytes_per.params
+    keep_full = accum_reduce == "last" and accum > 1
     init = 4 * max(sizes)  # initialisation draws one layer at a time (Strategy.init_params)
     if strategy == "zero3":
         group = n // replicate  # the ranks that shard; HSDP replicates R such groups
         units = make_units(MLP(model_config).layers, layers_per_unit, group)
-        state = state_bytes(strategy, sum(u.flat.padded_numel for u in units), group, precision)
-        full = [4 * u.flat.padded_numel for u in units if u.flat.numel]
-        buffers = max(init, gathered_peak(full, prefetch, reshard_after_forward))
+        state = state_bytes(strategy, sum(u.flat.padded_numel for u in units), group, bytes_per)
+        units = [u for u in units if u.flat.numel]
+        numels = [[per_layer(u.flat, layer) for layer in u.layers] for u in units]
+        replay = zero3_buffer_peak(
+            [[x for x in layers if x] for layers in numels],
+            [u.flat.padded_numel for u in units],
+            group,
+            item,
+            mixed=mixed,
+            accum=accum,
+            keep_full=keep_full,
+            prefetch=prefetch,
+            reshard_after_forward=reshard_after_forward,
+        )
+        buffers = max(init, replay)
     else:
         psi_pad, largest = sum(padded(s, n) for s in sizes), max(padded(s, n) for s in sizes)
+        owned = [padded(s, n) // n for s in sizes]  # a shard of the optimizer state
         if strategy in ("single", "dp"):
-            psi_pad, largest = sum(sizes), 0
-        state = state_bytes(strategy, psi_pad, n, precision)
-        buffers = (4 * largest if strategy == "zero2" else 0) + init
+            psi_pad, largest, owned = sum(sizes), 0, sizes
+        state = state_bytes(strategy, psi_pad, n, bytes_per)
+        persistent = item * largest if strategy == "zero2" and not keep_full else 0
+        accumulating = accum > 1 and (strategy != "zero2" or keep_full)
+        scratch = [4 * s if mixed or accumulating else 0 for s in sizes]
+        every = strategy == "zero2" and accum > 1 and not keep_full
+        part = [item * o if every else 0 for o in owned]  # a micro-batch's shard, to add
+        upcast = [4 * s if mixed else 0 for s in sizes]
+        during = max(u + max(c, p) for u, c, p in zip(upcast, scratch, part, strict=True))
+        if strategy == "zero2" and keep_full:  # every layer's full gradient, kept
+            kept = [item * padded(s, n) for s in sizes]
+            during = kept_full_peak(kept, upcast, sizes, mixed, accum)
+        step = 4 * max(owned) if mixed else 0  # the owned gradient, upcast for the update
+        buffers = max(persistent + init, persistent + during, persistent + step)
     return {
         **{k: int(v) for k, v in state.items()},
         "buffers": buffers,

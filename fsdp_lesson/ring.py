@@ -25,6 +25,10 @@ N - 1 messages and (N - 1)/N * F bytes for a reduce-scatter or an allgather, twi
 allreduce, whatever N is: the ring keeps every link busy and no rank sends more than its share.
 Broadcast is a chain along the ring from the root: N - 1 messages of F bytes in all, one from
 every rank but the last; per rank (N - 1)/N * F on average.
+
+16-bit buffers (bfloat16, float16: precision.py) travel as their raw uint16 bits (`on_wire`),
+since MPI has no bfloat16 type, and are summed by numpy: each hop adds in float32 and rounds the
+partial sum to 16 bits before passing it on, so a sum over N ranks is rounded N - 1 times.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ class Sent:
 
     messages: int = 0  # calls of Sendrecv / Send
     sent_bytes: float = 0  # bytes of the send buffers of those calls
+
+
+def on_wire(array: np.ndarray) -> np.ndarray:
+    """What MPI is handed: the array itself, or a 16-bit float's bits as uint16 (a view)."""
+    return array.view(np.uint16) if array.dtype.itemsize == 2 else array
 
 
 def chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
@@ -69,7 +78,7 @@ class Ring:
 
     def _sendrecv(self, kind: str, send: np.ndarray, recv: np.ndarray) -> None:
         """Send to the right neighbour while receiving from the left one; count what was sent."""
-        self.mpi.Sendrecv(send, self.right, TAG, recv, self.left, TAG)
+        self.mpi.Sendrecv(on_wire(send), self.right, TAG, on_wire(recv), self.left, TAG)
         counter = self.sent[kind]
         counter.messages += 1
         counter.sent_bytes += send.nbytes
@@ -125,9 +134,9 @@ class Ring:
         """buf <- root's buf, in place, passed along the ring: root -> root+1 -> ... -> root-1."""
         hops = (self.rank - root) % self.size  # this rank's distance from the root
         if hops > 0:
-            self.mpi.Recv(buf, self.left, TAG)
+            self.mpi.Recv(on_wire(buf), self.left, TAG)
         if hops < self.size - 1:
-            self.mpi.Send(buf, self.right, TAG)
+            self.mpi.Send(on_wire(buf), self.right, TAG)
             counter = self.sent["bcast"]
             counter.messages += 1
             counter.sent_bytes += buf.nbytes

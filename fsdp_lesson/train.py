@@ -36,22 +36,33 @@ def forward(model: MLP, strategy: Strategy, x: np.ndarray, acts: Activations | N
     return x
 
 
-def train_step(model: MLP, strategy: Strategy, X: np.ndarray, Y: np.ndarray) -> float:
-    """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss."""
-    acts = Activations(strategy.ledger)
-    logits = forward(model, strategy, X, acts)
-    loss, loss_cache = model.loss.forward(logits, Y)
-    dx = acts.gradient("dlogits", model.loss.backward(loss_cache))  # in place in the probs
-    del logits, loss_cache  # no stray references: what the ledger frees is really freed
-    for layer in reversed(model.layers):
-        p = strategy.materialize(layer)
-        dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
-        acts.gradient(f"d_in {layer.name}", dx)
-        strategy.reduce_grads(layer)
-        strategy.release(layer)
-    acts.clear()
+def train_step(
+    model: MLP, strategy: Strategy, X: np.ndarray, Y: np.ndarray, accum: int = 1
+) -> float:
+    """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss.
+
+    With accum K, X holds K micro-batches: each runs forward and backward in turn, their
+    gradients add up (each is a mean over all K micro-batches' rows), and one update follows.
+    """
+    losses = []
+    for micro, (x, y) in enumerate(zip(np.split(X, accum), np.split(Y, accum), strict=True)):
+        strategy.begin_micro_batch(micro)
+        acts = Activations(strategy.ledger)
+        logits = forward(model, strategy, x, acts)
+        loss, loss_cache = model.loss.forward(logits, y)
+        dlogits = model.loss.backward(loss_cache, rows=len(Y))  # in place in the probs
+        dx = acts.gradient("dlogits", dlogits)
+        del logits, loss_cache, dlogits  # no stray references: the ledger's frees are real
+        for layer in reversed(model.layers):
+            p = strategy.materialize(layer)
+            dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
+            acts.gradient(f"d_in {layer.name}", dx)
+            strategy.reduce_grads(layer)
+            strategy.release(layer)
+        acts.clear()
+        losses.append(loss)
     strategy.step()
-    return loss
+    return sum(losses) / accum
 
 
 def evaluate(
@@ -120,6 +131,7 @@ class History:
     timeline: list = field(default_factory=list)  # (event, live bytes) over one step, if asked
     resumed_from: dict | None = None  # the checkpoint this run continued, if any
     trace: list = field(default_factory=list)  # (lane, what, start s, end s) of one step, if asked
+    skipped_steps: list = field(default_factory=list)  # fp16: steps skipped on an overflow
 
     @classmethod
     def for_steps(cls, model_config: ModelConfig, train_config: TrainConfig, world_size: int):
@@ -177,16 +189,26 @@ def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n:
     """Bytes per rank: plan.ledger_bytes (exact, as the tests check) plus the step history."""
     from . import plan
 
-    options = {}
+    options = levers(tc)
     if strategy == "zero3":
-        options = dict(
-            layers_per_unit=tc.layers_per_unit,
-            prefetch=tc.prefetch,
-            reshard_after_forward=tc.reshard_after_forward,
-            replicate=tc.replicate,
-        )
+        options |= zero3_options(tc)
     ledger = plan.ledger_bytes(strategy, model_config, n, tc.optimizer, tc.batch // n, **options)
     return sum(ledger.values()) + 3 * 8 * tc.steps  # History: three float64 series
+
+
+def zero3_options(tc: TrainConfig) -> dict:
+    """zero3's options (FSDP's), as its constructor and plan.ledger_bytes take them."""
+    return dict(
+        layers_per_unit=tc.layers_per_unit,
+        prefetch=tc.prefetch,
+        reshard_after_forward=tc.reshard_after_forward,
+        replicate=tc.replicate,
+    )
+
+
+def levers(tc: TrainConfig) -> dict:
+    """The memory levers every strategy takes: precision and gradient accumulation."""
+    return dict(precision=tc.precision, accum=tc.accum, accum_reduce=tc.accum_reduce)
 
 
 def check_memory(model_config: ModelConfig, tc: TrainConfig, comm: Comm) -> None:
@@ -283,14 +305,7 @@ def run(
     history = History.for_steps(model_config, tc, comm.size)
     if rc.trace_memory:
         tracemalloc.start()
-    options = {}
-    if tc.strategy == "zero3":
-        options = dict(
-            layers_per_unit=tc.layers_per_unit,
-            prefetch=tc.prefetch,
-            reshard_after_forward=tc.reshard_after_forward,
-            replicate=tc.replicate,
-        )
+    options = levers(tc) | (zero3_options(tc) if tc.strategy == "zero3" else {})
     strategy = together(
         comm,
         lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger, **options),
@@ -298,7 +313,8 @@ def run(
     )
     # layer by layer, each rank only what it holds
     together(comm, lambda: strategy.init_params(rng), REFUSALS)
-    sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch, rng)
+    # a step takes accum global batches of tc.batch rows: as one batch of tc.batch * accum
+    sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch * tc.accum, rng)
     configs = (asdict(model_config), tc.to_dict())
     first_step = 0
     if rc.resume is not None:
@@ -334,7 +350,9 @@ def run(
                 ledger.timeline = [("start", ledger.live_total)]
             if step == rc.trace_step:
                 strategy.trace = []  # zero3 records its compute and collective spans
-            local_loss = train_step(model, strategy, X, Y)
+            local_loss = train_step(model, strategy, X, Y, tc.accum)
+            if strategy.scaler is not None and strategy.scaler.last_skipped:
+                history.skipped_steps.append(step)
             if step == rc.timeline_step:
                 history.timeline, ledger.timeline = ledger.timeline, None
             if step == rc.trace_step:

@@ -25,6 +25,7 @@ from ..comm import Comm
 from ..flat import FlatParam
 from ..memory import MemoryLedger
 from ..model import MLP, Params
+from ..precision import LossScaler, all_finite, dtype_of
 from ..rng import Rng
 from ..sharding import ZERO_STAGE, is_sharded
 
@@ -49,9 +50,24 @@ class Strategy:
         # a variant under a name of its own (a notebook's) keeps its parent's row
         cls.stage = ZERO_STAGE.get(cls.name, cls.stage)
 
-    def __init__(self, model: MLP, optimizer, comm: Comm, ledger: MemoryLedger) -> None:
+    def __init__(
+        self,
+        model: MLP,
+        optimizer,
+        comm: Comm,
+        ledger: MemoryLedger,
+        precision: str = "fp32",
+        accum: int = 1,
+        accum_reduce: str = "every",
+    ) -> None:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
         self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
+        # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
+        self.dtype, self.mixed = dtype_of(precision), precision != "fp32"
+        self.scaler = LossScaler() if precision == "fp16" else None
+        # gradient accumulation: micro-batch `micro` of `accum`; "last" reduces only at the last
+        self.accum, self.accum_reduce, self.micro = accum, accum_reduce, 0
+        self.landing: dict[str, tuple[Params, Params, bool]] = {}  # float32 grads to store
 
     # --- allocation, as the sharding table says -------------------------------------------
 
@@ -66,18 +82,26 @@ class Strategy:
         return flat.padded_numel if self.stage > 0 else flat.numel
 
     def alloc_per_layer(self, category: str, label: str) -> dict[str, np.ndarray]:
-        """One zeroed flat float32 array per layer, sized by the table, counted by the ledger."""
+        """One zeroed flat array per layer (params and grads in the run's precision), sized by
+        the table, counted by the ledger."""
         return {
-            name: self.ledger.alloc(category, self.numel(flat, category), f"{name}.{label}")
+            name: self.ledger.alloc(
+                category, self.numel(flat, category), f"{name}.{label}", self.dtype
+            )
             for name, flat in self.layout.items()
         }
 
     def init_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
-        """The optimizer's arrays per layer (Adam's m and v), sized by the table."""
-        return {
-            name: self.optimizer.init_state(self.numel(flat, "optimizer"), self.ledger, name)
-            for name, flat in self.layout.items()
-        }
+        """The optimizer's arrays per layer (Adam's m and v; the fp32 master in mixed
+        precision), sized by the table."""
+        state = {}
+        for name, flat in self.layout.items():
+            numel = self.numel(flat, "optimizer")
+            state[name] = {}
+            if self.mixed:  # the fp32 master weights: optimizer state, as the paper counts them
+                state[name]["master"] = self.ledger.alloc("optimizer", numel, f"{name}.master")
+            state[name] |= self.optimizer.init_state(numel, self.ledger, name)
+        return state
 
     # --- the state a checkpoint saves and loads -------------------------------------------
 
@@ -89,22 +113,30 @@ class Strategy:
         """Everything that defines the model and the optimizer on this rank, by "layer.what".
 
         Gradients are not state: the next backward rewrites them. The optimizer's step count
-        is one number, kept by the optimizer (optimizer.t).
+        is one number, kept by the optimizer (optimizer.t). Mixed precision: the parameters
+        saved are the fp32 master (the 16-bit copy is derived from it).
         """
-        state = {}
+        state, optimizer_sharded = {}, is_sharded(self.stage, "optimizer")
         for name, params in self.param_arrays().items():
             state[f"{name}.params"] = StateArray(params, name, is_sharded(self.stage, "params"))
             for key, array in self.opt_state[name].items():
-                state[f"{name}.{key}"] = StateArray(
-                    array, name, is_sharded(self.stage, "optimizer")
-                )
+                if key == "master":
+                    state[f"{name}.params"] = StateArray(array, name, optimizer_sharded)
+                else:
+                    state[f"{name}.{key}"] = StateArray(array, name, optimizer_sharded)
         return state
 
     def load_state(self, vectors: dict[str, np.ndarray], optimizer_steps: int = 0) -> None:
         """Set the whole state from each entry's whole (unpadded) vector, e.g. a checkpoint's."""
         for key, entry in self.local_state().items():
             self.set_from_vector(entry, vectors[key])
+            if self.mixed and key.endswith(".params"):  # the 16-bit copy, from the master
+                self.set_from_vector(self.sixteen_bit(entry.layer), vectors[key])
         self.optimizer.t = optimizer_steps
+
+    def sixteen_bit(self, layer: str) -> StateArray:
+        """Mixed precision: this rank's 16-bit parameters of a layer (whole or shard)."""
+        return StateArray(self.param_arrays()[layer], layer, is_sharded(self.stage, "params"))
 
     def init_params(self, rng: Rng) -> None:
         """Initialise the parameters one layer at a time, keeping only what this rank holds.
@@ -122,11 +154,15 @@ class Strategy:
 
     def keep_initial(self, layer: str, arrays: Params) -> None:
         """Copy one layer's initial values into this rank's parameters: all, or its shard."""
-        entry, flat = self.local_state()[f"{layer}.params"], self.layout[layer]
-        if entry.sharded:
-            flat.copy_shard(arrays, self.comm.rank, out=entry.array)
-        else:
-            flat.flatten(arrays, out=entry.array)
+        entries = [self.local_state()[f"{layer}.params"]]
+        if self.mixed:  # the master and its 16-bit copy
+            entries.append(self.sixteen_bit(layer))
+        flat = self.layout[layer]
+        for entry in entries:
+            if entry.sharded:
+                flat.copy_shard(arrays, self.comm.rank, out=entry.array)
+            else:
+                flat.flatten(arrays, out=entry.array)
 
     def set_from_vector(self, entry: StateArray, vector: np.ndarray) -> None:
         """Copy a layer's whole vector into `entry`: all of it, or only this rank's shard."""
@@ -140,7 +176,10 @@ class Strategy:
         """Arrays that must be bit-identical on every rank after a step: all that is not sharded."""
         if self.comm.size == 1:
             return {}
-        return {key: s.array for key, s in self.local_state().items() if not s.sharded}
+        arrays = {key: s.array for key, s in self.local_state().items() if not s.sharded}
+        if self.mixed and not is_sharded(self.stage, "params"):
+            arrays |= {f"{name}.params16": a for name, a in self.param_arrays().items()}
+        return arrays
 
     # --- the hooks ---------------------------------------------------------------------------
 
@@ -150,6 +189,7 @@ class Strategy:
 
     def release(self, layer) -> None:
         """FSDP2: reshard. Done with the layer's full parameters for now."""
+        self.drop_upcast(layer)
 
     def grad_buffer(self, layer) -> Params:
         """Where the layer's backward writes its full gradient, as shaped views."""
@@ -169,3 +209,78 @@ class Strategy:
             out[layer.name] = {k: v.copy() for k, v in self.materialize(layer).items()}
             self.release(layer)
         return out
+
+    # --- precision and accumulation, shared by every strategy's hooks ------------------------
+
+    def begin_micro_batch(self, micro: int) -> None:
+        """The loop starts micro-batch `micro` of `accum` (DeepSpeed: the accumulation
+        boundary is the last one; FSDP: `no_sync()` around all but the last)."""
+        self.micro = micro
+
+    @property
+    def reducing_now(self) -> bool:
+        """Whether this micro-batch's backward reduces gradients ("last": only the last one)."""
+        return self.accum_reduce == "every" or self.micro == self.accum - 1
+
+    def upcast(self, layer, views: Params) -> Params:
+        """The parameters a layer computes with: the views themselves in fp32; in 16 bits,
+        float32 copies, counted as a buffer until release (numpy has no fast 16-bit matmul)."""
+        if not self.mixed or not views:
+            return views
+        flat = FlatParam(layer.shapes)
+        full = self.ledger.alloc("buffers", flat.numel, f"{layer.name} upcast")
+        out = flat.views(full)
+        for key, view in views.items():
+            out[key][...] = view
+        return out
+
+    def drop_upcast(self, layer) -> None:
+        """The layer's float32 copy is free again (release)."""
+        if f"{layer.name} upcast" in self.ledger.held:
+            self.ledger.free(f"{layer.name} upcast")
+
+    def backward_buffer(self, layer, target: Params, accumulate: bool) -> Params:
+        """Where backward writes the layer's gradient: `target` itself in fp32 unless it
+        accumulates; else a float32 scratch (counted) that `land_grad` stores into `target`,
+        scaled by the loss scale and rounded to 16 bits, added when accumulating."""
+        if not target or not (self.mixed or accumulate):
+            return target
+        flat = FlatParam(layer.shapes)
+        scratch = flat.views(self.ledger.alloc("buffers", flat.numel, f"{layer.name} grad fp32"))
+        self.landing[layer.name] = (scratch, target, accumulate)
+        return scratch
+
+    def land_grad(self, layer) -> None:
+        """Store the scratch gradient of backward_buffer into its target and free the scratch."""
+        if layer.name not in self.landing:
+            return
+        scratch, target, accumulate = self.landing.pop(layer.name)
+        for key, g in scratch.items():
+            if self.scaler is not None:
+                g *= np.float32(self.scaler.scale)  # a power of two: exact in float32
+            if accumulate:
+                target[key] += g
+            else:
+                target[key][...] = g
+        self.ledger.free(f"{layer.name} grad fp32")
+
+    def skip_step(self, grads) -> bool:
+        """fp16: whether any rank's gradients overflowed; then the step is skipped and the
+        loss scale halved (LossScaler). Always False without loss scaling."""
+        if self.scaler is None:
+            return False
+        return not self.scaler.update(self.comm.all_agree(all_finite(grads)))
+
+    def update(self, params: np.ndarray, grad: np.ndarray, state: dict) -> None:
+        """optimizer.update on what this rank owns. Mixed precision: the gradient upcast to
+        float32 (and unscaled), the update on the fp32 master, the 16-bit copy refreshed."""
+        if not self.mixed:
+            self.optimizer.update(params, grad, state)
+            return
+        g = self.ledger.alloc("buffers", grad.size, "step grad fp32")
+        g[...] = grad
+        if self.scaler is not None:
+            g *= np.float32(1 / self.scaler.scale)
+        self.optimizer.update(state["master"], g, state)
+        params[...] = state["master"]  # rounded to the nearest 16-bit value
+        self.ledger.free("step grad fp32")

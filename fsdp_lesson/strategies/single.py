@@ -7,12 +7,12 @@ from .base import Strategy
 
 
 class Single(Strategy):
-    """Each layer: one flat parameter vector, one flat gradient vector, full optimizer state."""
+    """Full parameters, full gradients, full optimizer state."""
 
     name = "single"
 
-    def __init__(self, model, optimizer, comm, ledger) -> None:
-        super().__init__(model, optimizer, comm, ledger)
+    def __init__(self, model, optimizer, comm, ledger, **levers) -> None:
+        super().__init__(model, optimizer, comm, ledger, **levers)
         self.params = self.alloc_per_layer("params", "params")
         self.grads = self.alloc_per_layer("grads", "grads")
         self.opt_state = self.init_optimizer_state()
@@ -23,12 +23,18 @@ class Single(Strategy):
         return self.params
 
     def materialize(self, layer) -> Params:
-        return self.param_views[layer.name]
+        return self.upcast(layer, self.param_views[layer.name])
 
     def grad_buffer(self, layer) -> Params:
-        return self.grad_views[layer.name]
+        """The layer's whole gradient; after the first micro-batch, added to (accumulation)."""
+        return self.backward_buffer(layer, self.grad_views[layer.name], self.micro > 0)
+
+    def reduce_grads(self, layer) -> None:
+        self.land_grad(layer)
 
     def step(self) -> None:
+        if self.skip_step(self.grads.values()):
+            return
         self.optimizer.start_step()
         for name in self.layout:
-            self.optimizer.update(self.params[name], self.grads[name], self.opt_state[name])
+            self.update(self.params[name], self.grads[name], self.opt_state[name])

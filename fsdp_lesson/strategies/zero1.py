@@ -17,8 +17,8 @@ class ZeRO1(Strategy):
 
     name = "zero1"
 
-    def __init__(self, model, optimizer, comm, ledger) -> None:
-        super().__init__(model, optimizer, comm, ledger)
+    def __init__(self, model, optimizer, comm, ledger, **levers) -> None:
+        super().__init__(model, optimizer, comm, ledger, **levers)
         self.params = self.alloc_per_layer("params", "params")
         self.opt_state = self.init_optimizer_state()
         self.param_views = {name: f.views(self.params[name]) for name, f in self.layout.items()}
@@ -33,18 +33,25 @@ class ZeRO1(Strategy):
         return self.params
 
     def materialize(self, layer) -> Params:
-        return self.param_views[layer.name]
+        return self.upcast(layer, self.param_views[layer.name])
 
     def grad_buffer(self, layer) -> Params:
-        return self.grad_views[layer.name]
+        """The layer's whole gradient; after the first micro-batch, added to (accumulation)."""
+        return self.backward_buffer(layer, self.grad_views[layer.name], self.micro > 0)
+
+    def reduce_grads(self, layer) -> None:
+        self.land_grad(layer)  # the reduction waits for step(): once per step, in either mode
 
     def owned_grad(self, name: str):
         """The mean over ranks of this rank's slice of the layer's gradient."""
         return self.comm.reduce_scatter_mean(self.grads[name], None)  # in place: lands in [:S]
 
     def step(self) -> None:
+        grads = {name: self.owned_grad(name) for name in self.layout}
+        if self.skip_step(grads.values()):  # fp16: an overflow anywhere skips the step
+            return
         self.optimizer.start_step()
         for name, flat in self.layout.items():
             owned_params = flat.owned_shard(self.params[name], self.comm.rank)
-            self.optimizer.update(owned_params, self.owned_grad(name), self.opt_state[name])
+            self.update(owned_params, grads[name], self.opt_state[name])
             self.comm.allgather(None, self.params[name])  # in place: each slice from its owner

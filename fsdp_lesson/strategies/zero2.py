@@ -3,6 +3,12 @@
 Each layer's full gradient lives only from its backward to its reduce-scatter, in one
 transient buffer that every layer reuses; what stays is the owned gradient shard. The
 update and the allgather of parameters are zero1's. Traffic: the same 2Ψ.
+
+Gradient accumulation over K micro-batches, the trade DeepSpeed and FSDP both face:
+    every   reduce-scatter after every micro-batch and add into the owned shard: memory stays
+            sharded, the gradient traffic is K times (DeepSpeed's stage 2, FSDP's default)
+    last    keep every layer's full gradient across the micro-batches and reduce-scatter once
+            after the last: traffic once, memory of a full gradient (FSDP's `no_sync()`)
 """
 
 from __future__ import annotations
@@ -17,19 +23,49 @@ class ZeRO2(ZeRO1):
 
     def alloc_grads(self) -> None:
         self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
+        self.keep_full = self.accum_reduce == "last" and self.accum > 1
+        self.accumulated: dict[str, object] = {}  # "last": layer -> its full gradient
+        if self.keep_full:
+            return
         largest = max(flat.padded_numel for flat in self.layout.values())
-        self.full_grad = self.ledger.alloc("buffers", largest, "transient_full_grad")
+        self.full_grad = self.ledger.alloc("buffers", largest, "transient_full_grad", self.dtype)
         self.grad_views = {
             name: flat.views(self.full_grad[: flat.padded_numel])
             for name, flat in self.layout.items()
         }
 
+    def grad_buffer(self, layer):
+        """The reused transient buffer, or ("last") the layer's full gradient, kept until the
+        last micro-batch has added to it."""
+        if not self.keep_full:
+            return self.backward_buffer(layer, self.grad_views[layer.name], accumulate=False)
+        flat = self.layout[layer.name]
+        if layer.name not in self.accumulated:
+            label = f"{layer.name} accumulated grad"
+            full = self.ledger.alloc("buffers", flat.padded_numel, label, self.dtype)
+            self.accumulated[layer.name] = full
+        full = self.accumulated[layer.name]
+        return self.backward_buffer(layer, flat.views(full), accumulate=self.micro > 0)
+
     def reduce_grads(self, layer) -> None:
         """Right after the layer's backward: its mean gradient shard; the buffer is free again."""
+        self.land_grad(layer)
+        if self.keep_full:
+            if self.micro == self.accum - 1:
+                full = self.accumulated.pop(layer.name)
+                self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
+                self.ledger.free(f"{layer.name} accumulated grad")
+            return
         flat = self.layout[layer.name]
         full = self.full_grad[: flat.padded_numel]
         full[flat.numel :] = 0  # the reused buffer's padding may hold a larger layer's values
-        self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
+        shard = self.grad_shards[layer.name]
+        if self.micro == 0:
+            self.comm.reduce_scatter_mean(full, shard)
+            return
+        part = self.ledger.alloc("buffers", shard.size, "micro-batch grad shard", self.dtype)
+        shard += self.comm.reduce_scatter_mean(full, part)  # "every": add this micro-batch's
+        self.ledger.free("micro-batch grad shard")
 
     def owned_grad(self, name: str):
         return self.grad_shards[name]  # already reduced during backward

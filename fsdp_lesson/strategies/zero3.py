@@ -16,6 +16,10 @@ Options, with their FSDP2 (`fully_shard`) and DeepSpeed names:
                              (DeepSpeed's cousin: stage3_param_persistence_threshold).
     replicate R              HSDP: N/R ranks shard, R such groups replicate; gradient shards
                              are averaged across groups (FSDP2's 2-D device mesh).
+
+Gradient accumulation (zero2's docstring has the trade): "every" reduce-scatters each unit's
+gradient after every micro-batch and adds it into the owned shard; "last" keeps every unit's
+full gradient across the micro-batches and reduce-scatters once (FSDP's `no_sync()`).
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ class ZeRO3(Strategy):
         prefetch: bool = True,
         reshard_after_forward: bool = True,
         replicate: int = 1,
+        **levers,
     ) -> None:
-        super().__init__(model, optimizer, comm, ledger)
+        super().__init__(model, optimizer, comm, ledger, **levers)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.shard_comm, self.replica_comm = comm, None
         if replicate > 1:  # groups of consecutive ranks shard; rank r of every group replicate
@@ -63,7 +68,9 @@ class ZeRO3(Strategy):
         self.gathered: dict[int, Params] = {}  # unit -> its layers' full parameters (views)
         self.gathering: dict[int, tuple[Request, Params]] = {}  # prefetches in flight
         self.full_grads: dict[int, np.ndarray] = {}  # unit -> its full gradient buffer
-        self.reducing: list[tuple[int, Request]] = []  # gradient reduce-scatters in flight
+        # gradient reduce-scatters in flight: (unit, request, the micro-batch's shard to add)
+        self.reducing: list[tuple[int, Request, np.ndarray | None]] = []
+        self.keep_full = self.accum_reduce == "last" and self.accum > 1
         self.last_release: tuple[int, bool] | None = None  # (unit, in backward)
         self.reduced_layer: str | None = None  # the layer whose gradient was just reduced
         self.trace: list | None = None  # (lane, label, start, end) spans, when recording
@@ -76,17 +83,27 @@ class ZeRO3(Strategy):
         unit = self.units[self.unit_of[layer]]
         named = {f"{layer}.{k}": v for k, v in arrays.items()}
         unit.flat.copy_shard(named, self.shard_comm.rank, out=self.param_shards[unit.name])
+        if self.mixed:  # and the fp32 master, of which param_shards is the 16-bit copy
+            master = self.opt_state[unit.name]["master"]
+            unit.flat.copy_shard(named, self.shard_comm.rank, out=master)
 
     def set_from_vector(self, entry, vector: np.ndarray) -> None:
         flat = self.layout[entry.layer]
         entry.array[...] = flat.owned_shard(flat.padded(vector), self.shard_comm.rank)
+
+    def begin_micro_batch(self, micro: int) -> None:
+        """A micro-batch's reduce-scatters complete before the next micro-batch begins."""
+        while self.reducing:
+            self._finish_reduce(*self.reducing.pop(0))
+        super().begin_micro_batch(micro)
 
     # --- gather and free a unit's full parameters ---------------------------------------
 
     def _gather(self, u: int, blocking: bool) -> None:
         """Allocate unit u's full buffer (counted) and allgather into it, or start to."""
         unit = self.units[u]
-        full = self.ledger.alloc("buffers", unit.flat.padded_numel, f"{unit.name} gathered")
+        label = f"{unit.name} gathered"
+        full = self.ledger.alloc("buffers", unit.flat.padded_numel, label, self.dtype)
         shard = self.param_shards[unit.name]
         if blocking:
             start = time.perf_counter()
@@ -135,10 +152,11 @@ class ZeRO3(Strategy):
                 if following not in self.gathering:
                     self._gather(following, blocking=False)  # runs while this unit computes
             self.computing = time.perf_counter()
-        return self.gathered[u][layer.name]
+        return self.upcast(layer, self.gathered[u][layer.name])
 
     def release(self, layer) -> None:
         """FSDP2: reshard. Free the unit's full parameters after its last layer has run."""
+        self.drop_upcast(layer)
         u, unit = self.unit_of[layer.name], self.units[self.unit_of[layer.name]]
         if not unit.flat.numel:
             self.reduced_layer = None
@@ -154,39 +172,49 @@ class ZeRO3(Strategy):
             self.ledger.free(f"{unit.name} gathered")
 
     def grad_buffer(self, layer) -> Params:
-        """The unit's full gradient buffer, allocated (counted) at its first layer's backward."""
+        """The unit's full gradient buffer, allocated (counted) at its first layer's backward
+        ("last": at the first micro-batch's, kept and added to until the last one)."""
         u = self.unit_of[layer.name]
         unit = self.units[u]
         if u not in self.full_grads:
-            label = f"{unit.name} full grad"
-            self.full_grads[u] = self.ledger.alloc("buffers", unit.flat.padded_numel, label)
-        return unit.views(self.full_grads[u])[layer.name]
+            label, numel = f"{unit.name} full grad", unit.flat.padded_numel
+            self.full_grads[u] = self.ledger.alloc("buffers", numel, label, self.dtype)
+        target = unit.views(self.full_grads[u])[layer.name]
+        return self.backward_buffer(layer, target, accumulate=self.keep_full and self.micro > 0)
 
     def reduce_grads(self, layer) -> None:
         """After the unit's backward: reduce-scatter its gradient (non-blocking with prefetch)."""
+        self.land_grad(layer)
         self.reduced_layer = layer.name
         u = self.unit_of[layer.name]
         unit = self.units[u]
-        if not unit.flat.numel or layer.name != unit.layers[0]:
+        if not unit.flat.numel or layer.name != unit.layers[0] or not self.reducing_now:
             return
-        full, shard = self.full_grads[u], self.grad_shards[unit.name]
+        full, shard, part = self.full_grads[u], self.grad_shards[unit.name], None
+        if self.micro > 0 and not self.keep_full:  # "every": this micro-batch's, to add
+            label = f"{unit.name} micro-batch grad shard"
+            shard = part = self.ledger.alloc("buffers", shard.size, label, self.dtype)
         if self.prefetch:  # runs during the next unit's backward; wait for the one before
-            self.reducing.append((u, self.shard_comm.ireduce_scatter_mean(full, shard)))
+            self.reducing.append((u, self.shard_comm.ireduce_scatter_mean(full, shard), part))
             while len(self.reducing) > 1:
                 self._finish_reduce(*self.reducing.pop(0))
         else:
             start = time.perf_counter()
             self.shard_comm.reduce_scatter_mean(full, shard)
             self._span("comm", f"reduce_scatter {unit.name}", start)
-            self._free_grad(u)
+            self._free_grad(u, part)
 
-    def _finish_reduce(self, u: int, request: Request) -> None:
+    def _finish_reduce(self, u: int, request: Request, part: np.ndarray | None) -> None:
         request.wait()
         self._span("comm", f"reduce_scatter {self.units[u].name}", request.issued)
-        self._free_grad(u)
+        self._free_grad(u, part)
 
-    def _free_grad(self, u: int) -> None:
-        """The unit's mean gradient shard is in place: its full gradient is free again."""
+    def _free_grad(self, u: int, part: np.ndarray | None = None) -> None:
+        """The unit's mean gradient shard is in place (a micro-batch's `part` added to it):
+        its full gradient is free again."""
+        if part is not None:
+            self.grad_shards[self.units[u].name] += part
+            self.ledger.free(f"{self.units[u].name} micro-batch grad shard")
         del self.full_grads[u]
         self.ledger.free(f"{self.units[u].name} full grad")
         if self.replica_comm is not None:  # HSDP: the mean over the groups as well
@@ -197,10 +225,12 @@ class ZeRO3(Strategy):
     def step(self) -> None:
         while self.reducing:
             self._finish_reduce(*self.reducing.pop(0))
+        if self.skip_step(self.grad_shards.values()):  # fp16: an overflow anywhere skips it
+            return
         self.optimizer.start_step()
         for name in self.layout:
             shard, grad = self.param_shards[name], self.grad_shards[name]
-            self.optimizer.update(shard, grad, self.opt_state[name])
+            self.update(shard, grad, self.opt_state[name])
 
     def _span(self, lane: str, label: str, start: float | None) -> None:
         """Record a span of this step (compute or communication), when recording."""
