@@ -12,6 +12,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from fsdp_lesson.memory import CATEGORIES  # noqa: E402
 from fsdp_lesson.plots import (  # noqa: E402
     collective_picture,
+    gathered_spans,
+    gathered_units,
     loss_curves,
     memory_bars,
     running_mean,
@@ -94,3 +96,22 @@ def test_collective_picture_shows_every_value_of_every_rank():
     assert fig._suptitle.get_text() == "Reduce_scatter_block"
     assert "→" in [t.get_text() for t in fig.texts]  # the arrow from before to after
     fig.canvas.draw()
+
+
+def test_gathered_units_draws_one_bar_per_gather_in_unit_rows():
+    timeline = [
+        ("start", 0),
+        ("hold emb gathered", 8),
+        ("hold fc1 gathered", 24),
+        ("free emb gathered", 16),
+        ("hold act", 20),
+        ("free fc1 gathered", 4),
+        ("hold fc1 gathered", 20),
+        ("free fc1 gathered", 4),
+    ]
+    assert gathered_spans(timeline) == [("emb", 1, 3), ("fc1", 2, 5), ("fc1", 6, 7)]
+    fig = gathered_units({"prefetch": timeline, "none": timeline[:1]})
+    bottom = fig.axes[1]
+    assert [t.get_text() for t in bottom.get_yticklabels()] == ["emb", "fc1"]
+    assert len(bottom.collections) == 3
+    assert list(fig.axes[0].lines[0].get_ydata()) == [live for _, live in timeline]
