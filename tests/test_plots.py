@@ -111,7 +111,7 @@ def test_gathered_units_draws_one_bar_per_gather_in_unit_rows():
     ]
     assert gathered_spans(timeline) == [("emb", 1, 3), ("fc1", 2, 5), ("fc1", 6, 7)]
     fig = gathered_units({"prefetch": timeline, "none": timeline[:1]})
-    bottom = fig.axes[1]
+    bottom = fig.axes[2]  # row-major: the two top panels, then the bottoms
     assert [t.get_text() for t in bottom.get_yticklabels()] == ["emb", "fc1"]
     assert len(bottom.collections) == 3
     assert list(fig.axes[0].lines[0].get_ydata()) == [live for _, live in timeline]
