@@ -12,6 +12,7 @@ cluster_picture(engine_ids)                               notebook, controller, 
 step_collectives("zero2")                                 which collective runs when in a step
 shard_layout({"fc1": FlatParam, ...})                     each layer's flat vector by owner
 bytes_per_parameter({"fp32": plan.FP32_ADAM, ...})        params, grads, optimizer state per param
+gathered_units({"prefetch": history.timeline})            which units are gathered, event by event
 """
 
 from __future__ import annotations
@@ -474,5 +475,54 @@ def rank_shards(layouts: dict, n: int) -> Figure:
             1.04, 0.5, f"keeps {mine:,}", transform=axes[r, -1].transAxes, va="center", fontsize=8
         )
     fig.suptitle("ZeRO-3: what each rank keeps of every layer", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def gathered_spans(timeline: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """(unit, first event, last event) of each time a unit's full parameters were held.
+
+    A timeline is History.timeline: (event, live bytes) with events "hold <unit> gathered"
+    and "free <unit> gathered" among the others.
+    """
+    spans, since = [], {}
+    for i, (event, _) in enumerate(timeline):
+        kind, _, label = event.partition(" ")
+        if label.endswith(" gathered"):
+            unit = label.removesuffix(" gathered")
+            if kind == "hold":
+                since[unit] = i
+            elif kind == "free":
+                spans.append((unit, since.pop(unit), i))
+    return spans
+
+
+def gathered_units(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
+    """One column per label: live bytes over one step's events (top) and, below, a bar for
+    each unit while its full parameters are gathered, so the units rise and fall in order."""
+    fig, axes = plt.subplots(
+        2,
+        len(timelines),
+        figsize=(6 * len(timelines), 5),
+        squeeze=False,
+        sharex="col",
+        height_ratios=[1, 1.4],
+    )
+    for column, (label, timeline) in enumerate(timelines.items()):
+        top, bottom = axes[0, column], axes[1, column]
+        top.plot([live for _, live in timeline], color="black", lw=1)
+        top.yaxis.set_major_formatter(KB)
+        top.set_ylabel("kB live")
+        top.set_title(label, fontsize=10)
+        spans = gathered_spans(timeline)
+        units = list(dict.fromkeys(unit for unit, _, _ in spans))  # in order of first gather
+        for unit, start, stop in spans:
+            bottom.broken_barh(
+                [(start, stop - start)], (units.index(unit) + 0.1, 0.8), color=LANE_COLORS["comm"]
+            )
+        bottom.set_yticks(np.arange(len(units)) + 0.5, units)
+        bottom.invert_yaxis()
+        bottom.set_xlabel("event of the step (hold / free)")
+        bottom.set_ylabel("gathered")
     fig.tight_layout()
     return fig

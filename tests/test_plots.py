@@ -20,6 +20,8 @@ from fsdp_lesson.plots import (  # noqa: E402
     bytes_per_parameter,
     cluster_picture,
     collective_picture,
+    gathered_spans,
+    gathered_units,
     loss_curves,
     memory_bars,
     name_statistics,
@@ -233,3 +235,22 @@ def test_rank_shards_fills_each_ranks_slice():
     assert len(fig.axes) == 2
     widths = [[p.get_width() for p in ax.patches] for ax in fig.axes]
     assert widths == [[5, 3], [5, 2, 1]]  # the layer, rank 1's 2 numbers + 1 padding
+
+
+def test_gathered_units_draws_one_bar_per_gather_in_unit_rows():
+    timeline = [
+        ("start", 0),
+        ("hold emb gathered", 8),
+        ("hold fc1 gathered", 24),
+        ("free emb gathered", 16),
+        ("hold act", 20),
+        ("free fc1 gathered", 4),
+        ("hold fc1 gathered", 20),
+        ("free fc1 gathered", 4),
+    ]
+    assert gathered_spans(timeline) == [("emb", 1, 3), ("fc1", 2, 5), ("fc1", 6, 7)]
+    fig = gathered_units({"prefetch": timeline, "none": timeline[:1]})
+    bottom = fig.axes[2]  # row-major: the two top panels, then the bottoms
+    assert [t.get_text() for t in bottom.get_yticklabels()] == ["emb", "fc1"]
+    assert len(bottom.collections) == 3
+    assert list(fig.axes[0].lines[0].get_ydata()) == [live for _, live in timeline]
