@@ -24,11 +24,11 @@ if mode == "full-disk" and rank == failing_rank:
 elif mode == "raise":
     train_step, steps = train.train_step, [0]
 
-    def flaky_train_step(model, strategy, X, Y):
+    def flaky_train_step(model, strategy, X, Y, *args):
         steps[0] += 1
         if rank == failing_rank and steps[0] == failing_step:
             raise RuntimeError("injected failure (a bug on one rank)")
-        return train_step(model, strategy, X, Y)
+        return train_step(model, strategy, X, Y, *args)
 
     train.train_step = flaky_train_step
 sys.exit(main(["train", *sys.argv[4:]]))

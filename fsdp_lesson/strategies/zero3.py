@@ -198,11 +198,8 @@ class ZeRO3(Strategy):
             self.reducing.append((u, self.shard_comm.ireduce_scatter_mean(full, shard), part))
             while len(self.reducing) > 1:
                 self._finish_reduce(*self.reducing.pop(0))
-        else:
-            start = time.perf_counter()
-            self.shard_comm.reduce_scatter_mean(full, shard)
-            self._span("comm", f"reduce_scatter {unit.name}", start)
-            self._free_grad(u, part)
+        else:  # the same call, waited for at once: MPI sums in the same order either way
+            self._finish_reduce(u, self.shard_comm.ireduce_scatter_mean(full, shard), part)
 
     def _finish_reduce(self, u: int, request: Request, part: np.ndarray | None) -> None:
         request.wait()
