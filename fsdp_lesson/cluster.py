@@ -31,6 +31,8 @@ from IPython import get_ipython
 from IPython.display import display
 from traitlets.config import Config
 
+from .launch import rank_settings
+
 # ipyparallel's info lines ("Starting 4 engines ...") and the engines' logs it dumps when
 # mpiexec is stopped stay out of notebook outputs; our errors say what matters.
 _log = logging.getLogger(__name__)
@@ -185,7 +187,10 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
             profile=profile,
             shutdown_atexit=True,
             log=_log,
-            config=Config({"MPILauncher": {"mpi_cmd": [_mpiexec()]}}),
+            # the engines start with the ranks' environment (launch.py), as under make run
+            config=Config(
+                {"MPILauncher": {"mpi_cmd": [_mpiexec()], "environment": rank_settings()}}
+            ),
         )
     fix = _how_to_fix(n, profile, owned)
     try:

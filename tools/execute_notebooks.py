@@ -13,6 +13,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from fsdp_lesson.launch import rank_settings
+
 
 def execute(nb: nbformat.NotebookNode, folder: Path) -> None:
     """Run every cell of nb in a fresh kernel whose working directory is `folder`."""
@@ -28,6 +30,7 @@ def execute(nb: nbformat.NotebookNode, folder: Path) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # as under CI: no progress lines in outputs
+    os.environ.update(rank_settings())  # the kernels and their clusters' engines inherit it
     for name in sys.argv[1:]:
         path = Path(name).resolve()
         nb = nbformat.read(path, as_version=4)

@@ -19,6 +19,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from fsdp_lesson.launch import rank_settings
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 N_ENGINES = 4
@@ -137,6 +139,9 @@ def run_lab() -> int:
 def main() -> int:
     # A terminated job (CI's timeout, a closed terminal) still stops its cluster: exit via finally.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Everything started from here (the cluster's engines, kernels, pytest and the tests'
+    # mpiexec) inherits the ranks' environment (fsdp_lesson/launch.py says what and why).
+    os.environ.update(rank_settings())
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("job", choices=["run", "test", "lab"])
     args, rest = parser.parse_known_args()
