@@ -17,7 +17,14 @@ import threading
 import time
 from pathlib import Path
 
-try:
+from .launch import RANK_ENV
+
+# A rank started by a plain `mpiexec -n 4 python -m fsdp_lesson train`: the launch settings
+# (one BLAS thread, ...) must be in place before numpy loads; a value the user set wins.
+for _name, _value in RANK_ENV.items():
+    os.environ.setdefault(_name, _value)
+
+try:  # numpy, and the package's modules below, load only after the settings above
     import numpy as np
 except ImportError:  # a Python without the project's packages, e.g. outside .venv
     sys.exit(
