@@ -1,6 +1,7 @@
 """The course's web pages (tools/course_site.py): an index, prev/next links, and every page
 opened in a real headless Chromium: each image decodes and no script logs an error."""
 
+import html
 import re
 import shutil
 import sys
@@ -41,7 +42,7 @@ def test_index_lists_every_notebook_in_order_with_its_heading(site):
     index = (site / "index.html").read_text(encoding="utf-8")
     assert "<h1>fsdp-lesson</h1>" in index and "fully-sharded data parallelism" in index
     expected = [
-        (f"{path.stem}.html", title.replace("&", "&amp;"))
+        (f"{path.stem}.html", html.escape(title))
         for path, title in zip(course_site.NOTEBOOKS, titles(), strict=True)
     ]
     assert links(index) == expected
