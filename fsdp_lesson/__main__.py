@@ -11,18 +11,18 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
-from .launch import RANK_ENV
+from .launch import RANK_ENV, end_every_rank_on_interrupt, launcher_rank_and_size
 
 # A rank started by a plain `mpiexec -n 4 python -m fsdp_lesson train`: the launch settings
-# (one BLAS thread, ...) must be in place before numpy loads; a value the user set wins.
+# (one BLAS thread, ...) must be in place before numpy loads; a value the user set wins. And
+# one Ctrl-C ends it at once, even while it is still loading.
 for _name, _value in RANK_ENV.items():
     os.environ.setdefault(_name, _value)
+end_every_rank_on_interrupt(launcher_rank_and_size()[0])
 
 try:  # numpy, and the package's modules below, load only after the settings above
     import numpy as np
@@ -44,22 +44,6 @@ class UsageError(Exception):
 
 class TrainingDiverged(Exception):
     """The loss became NaN or infinite: one line on stderr and exit code 3."""
-
-
-def launcher_rank_and_size() -> tuple[int, int]:
-    """This process's rank and the job's size as the MPI launcher announced them, before MPI starts.
-
-    Bad flags are caught before MPI starts, and only rank 0 should say so.
-    """
-    for rank_var, size_var in [
-        ("PMI_RANK", "PMI_SIZE"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        ("PMIX_RANK", "PMIX_SIZE"),
-        ("SLURM_PROCID", "SLURM_NTASKS"),
-    ]:
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    return 0, 1
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -282,12 +266,11 @@ def build_parser() -> Parser:
 
 def checkpoint_in(path: Path | None) -> Path | None:
     """--resume accepts the checkpoint itself or the --out directory that holds it."""
-    from .checkpoint import find_checkpoint
-
-    if path is not None and find_checkpoint(path) is None:
-        if find_checkpoint(path / "checkpoint") is not None:
-            return path / "checkpoint"
-    return path
+    if path is None or (path / "manifest.json").exists():
+        return path
+    inside = path / "checkpoint"
+    candidates = [inside.with_name(inside.name + suffix) for suffix in ("", ".partial", ".old")]
+    return inside if any(c.exists() for c in candidates) else path
 
 
 def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
@@ -326,30 +309,6 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
     return model_config, train_config, run_config
 
 
-def end_every_rank_on_interrupt(rank: int) -> None:
-    """One Ctrl-C (or SIGTERM) ends this rank at once, with one line from rank 0.
-
-    mpiexec passes Ctrl-C on to every rank, but a rank busy inside an MPI call would raise
-    KeyboardInterrupt only after the call returns, which it never does once another rank has
-    stopped. So the signal wakes a thread instead (signal.set_wakeup_fd), which exits the
-    process while the main thread may still be inside MPI (mpi4py releases the GIL there).
-    """
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)  # the wakeup fd is written only with a handler set
-    signal.set_wakeup_fd(write_end)
-
-    def exit_now() -> None:
-        signum = os.read(read_end, 1)[0]
-        if rank == 0:
-            what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated"
-            os.write(2, f"{what}: every rank stops; nothing more is written\n".encode())
-        os._exit(128 + signum)
-
-    threading.Thread(target=exit_now, daemon=True).start()
-
-
 def check_out(out: Path | None) -> None:
     """--out must be a writable directory, or one that can be created: checked before training."""
     if out is None:
@@ -374,7 +333,6 @@ def train_command(args) -> None:
     launched_alone = launcher_rank_and_size()[1] == 1
     alone = args.strategy == "single" and launched_alone
     comm = Comm() if alone else Comm.world(run_config.collectives)
-    end_every_rank_on_interrupt(comm.rank)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     try:  # every refusal is agreed on, so all ranks raise it together: no hang
         together(comm, lambda: check_out(args.out), REFUSALS)

@@ -10,6 +10,8 @@ already set wins.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Mapping
 
 RANK_ENV: dict[str, str] = {
@@ -29,3 +31,43 @@ def rank_settings(base: Mapping[str, str] = os.environ) -> dict[str, str]:
 def rank_env(base: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The whole environment to launch a rank with: base plus RANK_ENV where base has none."""
     return {**base, **rank_settings(base)}
+
+
+def launcher_rank_and_size() -> tuple[int, int]:
+    """This process's rank and the job's size as the MPI launcher announced them, before MPI starts.
+
+    Bad flags are caught before MPI starts, and only rank 0 should say so.
+    """
+    for rank_var, size_var in [
+        ("PMI_RANK", "PMI_SIZE"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMIX_RANK", "PMIX_SIZE"),
+        ("SLURM_PROCID", "SLURM_NTASKS"),
+    ]:
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return 0, 1
+
+
+def end_every_rank_on_interrupt(rank: int) -> None:
+    """One Ctrl-C (or SIGTERM) ends this rank at once, with one line from rank 0.
+
+    mpiexec passes Ctrl-C on to every rank, but a rank busy inside an MPI call would raise
+    KeyboardInterrupt only after the call returns, which it never does once another rank has
+    stopped. So the signal wakes a thread instead (signal.set_wakeup_fd), which exits the
+    process while the main thread may still be inside MPI (mpi4py releases the GIL there).
+    """
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)  # the wakeup fd is written only with a handler set
+    signal.set_wakeup_fd(write_end)
+
+    def exit_now() -> None:
+        signum = os.read(read_end, 1)[0]
+        if rank == 0:
+            what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated"
+            os.write(2, f"{what}: every rank stops; nothing more is written\n".encode())
+        os._exit(128 + signum)
+
+    threading.Thread(target=exit_now, daemon=True).start()
