@@ -205,13 +205,14 @@ def predict_seconds(traffic_report: dict[str, dict], fit: dict[str, dict]) -> di
     for that run's N and collectives. Compare with the report's measured "seconds".
     """
     return {
-        kind: _predict(fit[kind], t["messages"], t["sent_bytes"])
+        kind: line_seconds(fit[kind], t["messages"], t["sent_bytes"])
         for kind, t in traffic_report.items()
         if kind in fit
     }
 
 
-def _predict(line: dict, messages: float, sent_bytes: float) -> float:
+def line_seconds(line: dict, messages: float, sent_bytes: float) -> float:
+    """One fitted line's prediction: alpha * messages + beta * bytes, in seconds."""
     return line["alpha_s"] * messages + line["beta_s_per_byte"] * sent_bytes
 
 
@@ -235,37 +236,6 @@ def _human_bytes(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return ""
-
-
-def plot(points: list[dict], fits: dict):
-    """Measured seconds per call against buffer bytes, log-log, one panel per kind: a marker
-    per point, a line per fit (colour: impl; dashes: N)."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.6), sharey=True)
-    colors = {"p2p": "tab:gray", "mpi": "tab:blue", "ring": "tab:orange"}
-    ranks = sorted({p["ranks"] for p in points})
-    for ax, kind in zip(axes, KINDS, strict=True):
-        for (n, impl), style in _series_styles(points, kind, ranks):
-            mine = [p for p in points if (p["ranks"], p["impl"], p["kind"]) == (n, impl, kind)]
-            mine.sort(key=lambda p: p["buffer_bytes"])
-            f = fits[n][impl][kind]
-            x = [p["buffer_bytes"] for p in mine]
-            predicted = [_predict(f, p["messages"], p["sent_bytes"]) for p in mine]
-            ax.loglog(x, [p["seconds"] for p in mine], "o", color=colors[impl], ms=3)
-            ax.loglog(x, predicted, style, color=colors[impl], label=f"{impl} N={n}")
-        ax.set_title(kind)
-        ax.set_xlabel("buffer bytes")
-        ax.legend(fontsize=7)
-    axes[0].set_ylabel("seconds per call")
-    fig.tight_layout()
-    return fig
-
-
-def _series_styles(points, kind, ranks):
-    dashes = ["-", "--", ":", "-."]
-    present = sorted({(p["ranks"], p["impl"]) for p in points if p["kind"] == kind})
-    return [((n, impl), dashes[ranks.index(n) % len(dashes)]) for n, impl in present]
 
 
 def run(ranks: list[int], quick: bool = False, timeout: float = 900) -> list[dict]:

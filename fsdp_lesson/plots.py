@@ -13,6 +13,8 @@ step_collectives("zero2")                                 which collective runs 
 shard_layout({"fc1": FlatParam, ...})                     each layer's flat vector by owner
 bytes_per_parameter({"fp32": plan.FP32_ADAM, ...})        params, grads, optimizer state per param
 gathered_units({"prefetch": history.timeline})            which units are gathered, event by event
+commbench_fits(points, fits)                              timed collectives, fitted alpha-beta lines
+latency_or_bandwidth(line, {"seed N=2": bytes})           where a message size sits: alpha or beta
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 from matplotlib.ticker import FuncFormatter
 
+from . import commbench
 from .data import ALPHABET
 from .memory import CATEGORIES
 
@@ -524,5 +527,49 @@ def gathered_units(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
         bottom.invert_yaxis()
         bottom.set_xlabel("event of the step (hold / free)")
         bottom.set_ylabel("gathered")
+    fig.tight_layout()
+    return fig
+
+
+def commbench_fits(points: list[dict], fits: dict) -> Figure:
+    """Measured seconds per call against buffer bytes, log-log, one panel per kind: a marker
+    per point (commbench.time_collectives), a line per fit (colour: impl; dashes: N)."""
+    kinds = commbench.KINDS
+    fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds), 3.4), sharey=True)
+    colors = {"p2p": "tab:gray", "mpi": "tab:blue", "ring": "tab:orange"}
+    dashes = dict(zip(sorted({p["ranks"] for p in points}), ("-", "--", ":", "-."), strict=False))
+    for ax, kind in zip(axes, kinds, strict=True):
+        for n, impl in sorted({(p["ranks"], p["impl"]) for p in points if p["kind"] == kind}):
+            mine = [p for p in points if (p["ranks"], p["impl"], p["kind"]) == (n, impl, kind)]
+            mine.sort(key=lambda p: p["buffer_bytes"])
+            line = fits[n][impl][kind]
+            x = [p["buffer_bytes"] for p in mine]
+            fitted = [commbench.line_seconds(line, p["messages"], p["sent_bytes"]) for p in mine]
+            ax.loglog(x, [p["seconds"] for p in mine], "o", color=colors[impl], ms=3)
+            ax.loglog(x, fitted, dashes[n], color=colors[impl], label=f"{impl} N={n}")
+        ax.set_title(kind)
+        ax.set_xlabel("buffer bytes")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("seconds per call")
+    fig.tight_layout()
+    return fig
+
+
+def latency_or_bandwidth(line: dict, message_bytes: dict[str, float]) -> Figure:
+    """One message's predicted time, alpha + beta * bytes, log-log, with its two asymptotes,
+    the crossover alpha / beta, and a marker per labelled message size (e.g. a model's mean)."""
+    alpha, beta = line["alpha_s"], line["beta_s_per_byte"]
+    crossover = alpha / beta
+    x = np.logspace(0, 9, 200)  # 1 B to 1 GB
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.loglog(x, alpha + beta * x, color="black", label="α + β · bytes")
+    ax.loglog(x, np.full_like(x, alpha), ":", color="tab:red", label=f"α = {alpha * 1e6:.3g} µs")
+    ax.loglog(x, beta * x, ":", color="tab:blue", label=f"β · bytes, 1/β = {1e-9 / beta:.3g} GB/s")
+    ax.axvline(crossover, color="gray", linestyle="--", label=f"α/β = {crossover:,.0f} B")
+    for i, (label, size) in enumerate(message_bytes.items()):
+        ax.plot(size, alpha + beta * size, "o", color=plt.cm.tab10(i + 2), label=label)
+    ax.set(xlabel="bytes per message", ylabel="seconds per message", ylim=(alpha / 3, None))
+    ax.set_title("left of α/β latency-bound, right of it bandwidth-bound", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from fsdp_lesson import commbench
+from fsdp_lesson import commbench, plots
 from fsdp_lesson.comm import Comm
 
 
@@ -62,9 +62,20 @@ def test_plot_has_a_panel_per_kind():
         for impl, kind in series
         for b in (4.0, 4096.0, 4e6)
     ]
-    fig = commbench.plot(points, commbench.fit(points))
+    fig = plots.commbench_fits(points, commbench.fit(points))
     assert [ax.get_title() for ax in fig.axes] == list(commbench.KINDS)
     assert all(ax.get_xscale() == ax.get_yscale() == "log" for ax in fig.axes)
+
+
+def test_latency_or_bandwidth_marks_the_crossover_and_each_message_size():
+    line = {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}  # crossover at 10,000 bytes
+    fig = plots.latency_or_bandwidth(line, {"small": 100.0, "large": 1e6})
+    (ax,) = fig.axes
+    drawn = {line.get_label(): (line.get_xdata()[0], line.get_ydata()[0]) for line in ax.lines}
+    crossover = [x for label, (x, _) in drawn.items() if label.startswith("α/β")]
+    assert crossover == [pytest.approx(1e4)]
+    assert drawn["small"] == pytest.approx((100.0, 1e-5 + 1e-7))
+    assert drawn["large"] == pytest.approx((1e6, 1e-5 + 1e-3))
 
 
 def test_one_rank_is_refused():

@@ -10,11 +10,12 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 # What makes an output vary from run to run, as code: time, progress lines, process ids,
 # tracemalloc and RSS, %px/%%px (engine order), subprocesses, which rank answers first, the
 # cluster's address, long float32 training (its last digits depend on the CPU's kernels),
-# and the first matplotlib import (a one-time font-cache notice).
+# the first matplotlib import (a one-time font-cache notice), and timed collectives: commbench,
+# the alpha-beta lines fitted to its timings (fits[N]) and the seconds inside a run's collectives.
 VOLATILE = re.compile(
     r"perf_counter|time\.|step_seconds|cpu_count|progress=|tracemalloc|rss|getpid|%%?px"
     r"|subprocess|RankError|connect\(|history\.(names|samples|val_loss)|\[\"names\"\]"
-    r"|^import matplotlib",
+    r"|^import matplotlib|commbench|fits\[|\[\"seconds\"\]",
     re.MULTILINE,
 )
 
