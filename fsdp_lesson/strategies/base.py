@@ -152,6 +152,11 @@ class Strategy:
             self.ledger.free(label)
             del arrays  # before the next layer is drawn: one layer at a time
 
+    def load_params(self, params: dict[str, Params]) -> None:
+        """Set the parameters from every layer's shaped arrays (a model built whole, by hand)."""
+        for layer in self.model.layers:
+            self.keep_initial(layer.name, params[layer.name])
+
     def keep_initial(self, layer: str, arrays: Params) -> None:
         """Copy one layer's initial values into this rank's parameters: all, or its shard."""
         entries = [self.local_state()[f"{layer}.params"]]
