@@ -489,12 +489,12 @@ def ring_moves(n: int) -> list[tuple[str, int, list[int]]]:
     return scatter + gather
 
 
-RING_LEGEND = """a cell: what the rank holds
-of chunk c ("0+3": ranks 0
-and 3's values summed;
-Σ: all ranks')
-
-outlined: received at this
+RING_LEGEND = {  # what a cell shows: ranks' labels, or a cluster's numbers
+    "labels": 'a cell: what the rank holds\nof chunk c ("0+3": ranks 0\n'
+    "and 3's values summed;\nΣ: all ranks')",
+    "numbers": "a cell: the rank's value\nof chunk c; darker: it sums\nmore ranks' values",
+}
+RING_OUTLINE = """outlined: received at this
 step, from the rank above
 (the last rank's goes
 round to rank 0)"""
@@ -552,7 +552,8 @@ def ring_steps(n: int = 4, values: list | None = None) -> Figure:
         ax.set_title(titles[i], fontsize=9)
     legend = axes[1, n - 1]
     legend.axis("off")
-    legend.text(0, 0.5, RING_LEGEND, fontsize=8, va="center")
+    shows = "labels" if values is None else "numbers"
+    legend.text(0, 0.5, f"{RING_LEGEND[shows]}\n\n{RING_OUTLINE}", fontsize=8, va="center")
     fig.suptitle(f"ring allreduce on {n} ranks = reduce-scatter + allgather", fontsize=10)
     fig.tight_layout()
     return fig

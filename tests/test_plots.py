@@ -258,5 +258,7 @@ def test_ring_steps_sums_then_spreads_every_chunk():
     outlined = [[p for p in ax.patches if not p.get_fill()] for ax in panels]
     assert [len(o) for o in outlined] == [0] + [4] * 6  # every rank receives once per step
     numbers = [[np.arange(4) * (r + 1) for r in range(4)]] * 7
-    assert ring_steps(4, numbers).axes[0].texts[5].get_text() == "2"  # rank 1's chunk 1
+    with_numbers = ring_steps(4, numbers)
+    assert with_numbers.axes[0].texts[5].get_text() == "2"  # rank 1's chunk 1
+    assert "value" in with_numbers.axes[-1].texts[0].get_text()  # the legend says what they are
     fig.canvas.draw()
