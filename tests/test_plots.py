@@ -254,3 +254,32 @@ def test_gathered_units_draws_one_bar_per_gather_in_unit_rows():
     assert [t.get_text() for t in bottom.get_yticklabels()] == ["emb", "fc1"]
     assert len(bottom.collections) == 3
     assert list(fig.axes[0].lines[0].get_ydata()) == [live for _, live in timeline]
+
+
+def test_ring_moves_follow_ring_py():
+    """The table in fsdp_lesson/ring.py's docstring, N = 4: what each rank sends, step by step."""
+    from fsdp_lesson.plots import ring_moves
+
+    assert [sent for _, _, sent in ring_moves(4)] == [
+        [3, 0, 1, 2], [2, 3, 0, 1], [1, 2, 3, 0],  # reduce-scatter
+        [0, 1, 2, 3], [3, 0, 1, 2], [2, 3, 0, 1],  # allgather
+    ]  # fmt: skip
+
+
+def test_ring_steps_sums_then_spreads_every_chunk():
+    from fsdp_lesson.plots import ring_steps
+
+    fig = ring_steps(4)
+    panels = fig.axes[:4] + fig.axes[4:7]  # start, 3 reduce-scatter steps, 3 allgather steps
+    labels = [[t.get_text() for t in ax.texts[:16]] for ax in panels]  # by rank, chunk
+    assert labels[0] == [str(r) for r in range(4) for _ in range(4)]
+    assert labels[1][4 * 1 + 3] == "0+1"  # step 0: rank 1 added rank 0's chunk 3
+    assert [labels[3][5 * r] for r in range(4)] == ["Σ"] * 4  # rank r: the sum of chunk r
+    assert labels[-1] == ["Σ"] * 16
+    outlined = [[p for p in ax.patches if not p.get_fill()] for ax in panels]
+    assert [len(o) for o in outlined] == [0] + [4] * 6  # every rank receives once per step
+    numbers = [[np.arange(4) * (r + 1) for r in range(4)]] * 7
+    with_numbers = ring_steps(4, numbers)
+    assert with_numbers.axes[0].texts[5].get_text() == "2"  # rank 1's chunk 1
+    assert "value" in with_numbers.axes[-1].texts[0].get_text()  # the legend says what they are
+    fig.canvas.draw()
