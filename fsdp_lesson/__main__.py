@@ -202,6 +202,11 @@ def build_parser() -> Parser:
         help="reduce gradients after every micro-batch, or once after the last (no_sync)",
     )
     train.add_argument(
+        "--recompute",
+        action="store_true",
+        help="activation recomputation: keep each block's input, recompute the rest in backward",
+    )
+    train.add_argument(
         "--trace-step",
         type=nonnegative_int,
         default=None,
@@ -295,6 +300,7 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         precision=args.precision,
         accum=args.accum,
         accum_reduce=args.accum_reduce,
+        recompute=args.recompute,
     )
     run_config = RunConfig(
         data=args.data,

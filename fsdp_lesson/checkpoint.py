@@ -37,6 +37,7 @@ FORMAT = 3
 # With reshard=True the global batch may change too (see check_compatible).
 MAY_CHANGE = {"strategy", "steps", "log_every", "eval_batches", "samples", "memory_budget_mb"}
 MAY_CHANGE |= {"prefetch", "reshard_after_forward"}  # zero3's options that change no number
+MAY_CHANGE |= {"recompute"}  # recomputes the same bits
 # The manifest's keys and their types: anything else is a damaged or foreign manifest.
 MANIFEST_TYPES = {
     "format": int,

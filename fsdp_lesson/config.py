@@ -72,6 +72,7 @@ class TrainConfig:
     precision: str = "fp32"  # bf16/fp16: 16-bit params and grads, fp32 master weights
     accum: int = 1  # micro-batches of `batch` rows each per optimizer step
     accum_reduce: str = "every"  # zero2/zero3: reduce every micro-batch, or once at the "last"
+    recompute: bool = False  # keep only each block's input in forward; recompute in backward
 
     def __post_init__(self) -> None:
         if self.lr is None and self.optimizer in DEFAULT_LR:

@@ -85,6 +85,15 @@ class Activations:
         self.ledger.hold("activations", label, cache.nbytes)
         self.caches.append((label, cache))
 
+    def drop(self) -> None:
+        """Forget the cache just pushed (--recompute: backward computes it again)."""
+        label, _ = self.caches.pop()
+        self.ledger.free(label)
+
+    def top(self):
+        """The cache backward pops next, left in place."""
+        return self.caches[-1][1]
+
     def pop(self):
         label, cache = self.caches.pop()
         self.dying.append(label)

@@ -114,6 +114,12 @@ class MLP:
             in_features = c.hidden
         self.layers.append(Linear(f"fc{c.layers + 1}", c.hidden, c.vocab_size))
         self.loss = SoftmaxCrossEntropy()
+        # the segments --recompute checkpoints: a layer with parameters and the ReLU after it
+        self.blocks: list[list] = []
+        for layer in self.layers:
+            if layer.shapes or not self.blocks:
+                self.blocks.append([])
+            self.blocks[-1].append(layer)
 
     @property
     def num_params(self) -> int:

@@ -78,26 +78,45 @@ def padded(size: int, n: int) -> int:
     return -(-size // n) * n
 
 
-def activation_peak(model_config: ModelConfig, micro_batch: int) -> int:
+def activation_peak(model_config: ModelConfig, micro_batch: int, recompute: bool = False) -> int:
     """The ledger's activation peak: replay the loop's holds and frees over the layer shapes.
 
     Forward keeps each layer's cache (the embedding its tokens, 1 byte each; every other
-    layer its float32 input); backward counts each new dx (the size of the layer's input)
-    before it frees the old dx and the layer's cache.
+    layer its float32 input); with recompute it drops each cache but a block's first once
+    the layer has run, and backward pushes them again just before the block's backward.
+    Backward counts each new dx (the size of the layer's input) before it frees the old dx
+    and the layer's cache.
     """
     c, b = model_config, micro_batch
-    layers = MLP(c).layers
+    model = MLP(c)
     caches, width = [b * c.seq_len], c.seq_len * c.emb
-    for layer in layers[1:]:
+    for layer in model.layers[1:]:
         caches.append(4 * b * width)
         width = layer.shapes["W"][1] if layer.shapes else width
+    first, index = [], 0  # each block's first layer index, and the layers after it
+    for block in model.blocks:
+        first.append((index, range(index + 1, index + len(block))))
+        index += len(block)
+    kept = {i for i, _ in first}
+    live = peak = 0
+    for i, size in enumerate(caches):  # forward
+        live += size
+        peak = max(peak, live)
+        if recompute and i not in kept:
+            live -= size
     dx = 4 * b * c.vocab_size  # dlogits
-    live = peak = sum(caches) + dx
-    for i in reversed(range(len(layers))):
-        new_dx = caches[i] if i > 0 else 0  # the embedding passes no gradient on
-        peak = max(peak, live + new_dx)
-        live += new_dx - dx - caches[i]
-        dx = new_dx
+    live += dx
+    peak = max(peak, live)
+    for i, rest in reversed(first):  # backward, a block at a time
+        if recompute:
+            for j in rest:
+                live += caches[j]
+                peak = max(peak, live)
+        for j in reversed(range(i, rest.stop)):
+            new_dx = caches[j] if j > 0 else 0  # the embedding passes no gradient on
+            peak = max(peak, live + new_dx)
+            live += new_dx - dx - caches[j]
+            dx = new_dx
     return peak
 
 
@@ -230,6 +249,7 @@ def ledger_bytes(
     precision: str = "fp32",
     accum: int = 1,
     accum_reduce: str = "every",
+    recompute: bool = False,
 ) -> dict:
     """What MemoryLedger's peaks per category will be for this run, to the byte.
 
@@ -280,5 +300,5 @@ def ledger_bytes(
     return {
         **{k: int(v) for k, v in state.items()},
         "buffers": buffers,
-        "activations": activation_peak(model_config, micro_batch),
+        "activations": activation_peak(model_config, micro_batch, recompute),
     }

@@ -25,40 +25,72 @@ from .rng import Rng, make_rng
 from .strategies import Strategy, make_strategy
 
 
-def forward(model: MLP, strategy: Strategy, x: np.ndarray, acts: Activations | None = None):
-    """Run every layer on x; return the logits. With acts, keep what backward will need."""
+def forward(
+    model: MLP,
+    strategy: Strategy,
+    x: np.ndarray,
+    acts: Activations | None = None,
+    recompute: bool = False,
+):
+    """Run every layer on x; return the logits. With acts, keep what backward will need:
+    every layer's cache, or with recompute only each block's input (the first layer's cache)."""
+    block_inputs = {block[0].name for block in model.blocks}
     for layer in model.layers:
         p = strategy.materialize(layer)
         x, cache = layer.forward(p, x)
         if acts is not None:
             acts.push(layer.name, cache)
+            if recompute and layer.name not in block_inputs:
+                acts.drop()  # backward computes it again from the block's input
         strategy.release(layer)
     return x
 
 
+def recompute_block(strategy: Strategy, block: list, acts: Activations) -> None:
+    """Run a block's forward again from its kept input, pushing the caches forward dropped.
+
+    Every layer's cache is its input (model.py), so the kept cache is where to start and each
+    output is the next layer's cache; the last layer's output is not needed. The parameters
+    stay materialized for the backward that follows (zero3: no gather beyond backward's own).
+    """
+    x = acts.top()
+    for layer, following in zip(block[:-1], block[1:], strict=True):
+        x, _ = layer.forward(strategy.materialize(layer), x)
+        acts.push(following.name, x)
+
+
 def train_step(
-    model: MLP, strategy: Strategy, X: np.ndarray, Y: np.ndarray, accum: int = 1
+    model: MLP,
+    strategy: Strategy,
+    X: np.ndarray,
+    Y: np.ndarray,
+    accum: int = 1,
+    recompute: bool = False,
 ) -> float:
     """Forward, loss, backward (mirroring forward), reduce gradients, update. This rank's loss.
 
     With accum K, X holds K micro-batches: each runs forward and backward in turn, their
     gradients add up (each is a mean over all K micro-batches' rows), and one update follows.
+    With recompute, forward keeps only each block's input and backward recomputes the rest.
     """
     losses = []
     for micro, (x, y) in enumerate(zip(np.split(X, accum), np.split(Y, accum), strict=True)):
         strategy.begin_micro_batch(micro)
         acts = Activations(strategy.ledger)
-        logits = forward(model, strategy, x, acts)
+        logits = forward(model, strategy, x, acts, recompute)
         loss, loss_cache = model.loss.forward(logits, y)
         dlogits = model.loss.backward(loss_cache, rows=len(Y))  # in place in the probs
         dx = acts.gradient("dlogits", dlogits)
         del logits, loss_cache, dlogits  # no stray references: the ledger's frees are real
-        for layer in reversed(model.layers):
-            p = strategy.materialize(layer)
-            dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
-            acts.gradient(f"d_in {layer.name}", dx)
-            strategy.reduce_grads(layer)
-            strategy.release(layer)
+        for block in reversed(model.blocks):
+            if recompute:
+                recompute_block(strategy, block, acts)
+            for layer in reversed(block):
+                p = strategy.materialize(layer)
+                dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
+                acts.gradient(f"d_in {layer.name}", dx)
+                strategy.reduce_grads(layer)
+                strategy.release(layer)
         acts.clear()
         losses.append(loss)
     strategy.step()
@@ -192,7 +224,10 @@ def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n:
     options = levers(tc)
     if strategy == "zero3":
         options |= zero3_options(tc)
-    ledger = plan.ledger_bytes(strategy, model_config, n, tc.optimizer, tc.batch // n, **options)
+    micro_batch = tc.batch // n
+    ledger = plan.ledger_bytes(
+        strategy, model_config, n, tc.optimizer, micro_batch, recompute=tc.recompute, **options
+    )
     return sum(ledger.values()) + 3 * 8 * tc.steps  # History: three float64 series
 
 
@@ -350,7 +385,7 @@ def run(
                 ledger.timeline = [("start", ledger.live_total)]
             if step == rc.trace_step:
                 strategy.trace = []  # zero3 records its compute and collective spans
-            local_loss = train_step(model, strategy, X, Y, tc.accum)
+            local_loss = train_step(model, strategy, X, Y, tc.accum, tc.recompute)
             if strategy.scaler is not None and strategy.scaler.last_skipped:
                 history.skipped_steps.append(step)
             if step == rc.timeline_step:

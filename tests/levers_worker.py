@@ -1,6 +1,7 @@
 """Run under `mpiexec -n N python tests/levers_worker.py OUT.pkl`: the memory levers on N ranks.
 
-Mixed precision (bf16, fp16) and gradient accumulation (every, last) with every strategy;
+Mixed precision (bf16, fp16), gradient accumulation (every, last) and activation
+recomputation (each beside its twin without) with every strategy;
 rank 0 writes, per run, the losses, the full parameters (the fp32 master where there is one),
 the skipped steps and each rank's memory ledger and traffic.
 """
@@ -18,6 +19,7 @@ from fsdp_lesson.train import run
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 TRAIN = dict(steps=100, batch=24, eval_batches=2, samples=1)
 TRAFFIC = dict(steps=5, batch=24, eval_batches=0, samples=0)
+RECOMPUTE = dict(steps=30, batch=24, eval_batches=1, samples=0)
 
 
 def runs():
@@ -35,6 +37,9 @@ def runs():
             kwargs = dict(strategy=strategy, optimizer="adam", accum_reduce=reduce, **TRAIN)
             kwargs |= dict(batch=12, accum=2)
             yield f"{strategy}-accum-{reduce}", ModelConfig(), kwargs, "mpi"
+        for recompute in (False, True):  # a deeper model: three blocks to recompute
+            kwargs = dict(strategy=strategy, optimizer="adam", recompute=recompute, **RECOMPUTE)
+            yield f"{strategy}-recompute-{recompute}", ModelConfig(layers=3), kwargs, "mpi"
     yield (
         "zero3-bf16-units2-keep",
         ModelConfig(layers=3),
@@ -49,6 +54,10 @@ def runs():
         | dict(batch=12, accum=2, accum_reduce="last"),
         "mpi",
     )
+    for recompute in (False, True):  # every lever at once, and units that hold two blocks
+        kwargs = dict(strategy="zero3", optimizer="adam", precision="bf16", **RECOMPUTE)
+        kwargs |= dict(layers_per_unit=2, batch=12, accum=2, recompute=recompute)
+        yield f"zero3-units2-bf16-accum-recompute-{recompute}", ModelConfig(layers=3), kwargs, "mpi"
 
 
 def master_params(strategy) -> dict:

@@ -1,6 +1,6 @@
-"""The memory levers under real `mpiexec -n N` (N = 1..4): mixed precision and gradient
-accumulation with every strategy, against single-rank runs, the paper's accounting and the
-planner (tests/levers_worker.py runs them)."""
+"""The memory levers under real `mpiexec -n N` (N = 1..4): mixed precision, gradient
+accumulation and activation recomputation with every strategy, against single-rank runs, the
+paper's accounting and the planner (tests/levers_worker.py runs them)."""
 
 import math
 import pickle
@@ -72,7 +72,10 @@ def test_ledger_is_the_papers_mixed_precision_accounting_and_the_planner_predict
     for name, r in results.items():
         tc, mc = r["train_config"], r["model_config"]
         opts = levers(tc) | (zero3_options(tc) if tc.strategy == "zero3" else {})
-        predicted = ledger_bytes(tc.strategy, mc, n, tc.optimizer, tc.batch // n, **opts)
+        micro_batch, recompute = tc.batch // n, tc.recompute
+        predicted = ledger_bytes(
+            tc.strategy, mc, n, tc.optimizer, micro_batch, recompute=recompute, **opts
+        )
         sizes = sizes_of(mc)
         psi = sum(sizes) if tc.strategy == "dp" else sum(-(-s // n) * n for s in sizes)
         if tc.strategy == "zero3" and tc.layers_per_unit > 1:
@@ -197,3 +200,35 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
                 break
     assert not strategy.scaler.last_skipped and strategy.optimizer.t == 1
     assert strategy.scaler.scale < 2.0**39  # halved until the gradients fit in fp16
+
+
+def test_recompute_is_bit_identical_saves_the_predicted_activations_and_no_traffic(world):
+    """--recompute: the same bits as without it (the recomputed forward is the same
+    arithmetic); the activation peak drops to what the planner predicts; and not one byte
+    more moves, because each block is recomputed while backward has its unit gathered."""
+    n, results = world
+    twins = [name[: -len("-True")] for name in results if name.endswith("recompute-True")]
+    assert len(twins) == 5, twins
+    for twin in twins:
+        off, on = results[f"{twin}-False"], results[f"{twin}-True"]
+        assert np.array_equal(off["losses"], on["losses"]), f"{twin} N={n}: losses differ"
+        for layer, p in off["params"].items():
+            assert np.array_equal(on["params"][layer], p), f"{twin} N={n}: {layer} differs"
+        tc, mc = on["train_config"], on["model_config"]
+        want = ledger_bytes(
+            tc.strategy,
+            mc,
+            n,
+            tc.optimizer,
+            tc.batch // n,
+            recompute=True,
+            **levers(tc) | (zero3_options(tc) if tc.strategy == "zero3" else {}),
+        )["activations"]
+        for rank in range(n):
+            saved = off["per_rank"][rank]["memory"]["peak"]["activations"]
+            kept = on["per_rank"][rank]["memory"]["peak"]["activations"]
+            assert kept == want < saved, f"{twin} N={n} rank {rank}: {kept} vs {saved}"
+            for kind, moved in on["per_rank"][rank]["traffic"].items():
+                before = off["per_rank"][rank]["traffic"][kind]
+                for what in ("calls", "messages", "sent_bytes"):
+                    assert moved[what] == before[what], f"{twin} N={n} rank {rank} {kind} {what}"

@@ -68,6 +68,7 @@ class Strategy:
         # gradient accumulation: micro-batch `micro` of `accum`; "last" reduces only at the last
         self.accum, self.accum_reduce, self.micro = accum, accum_reduce, 0
         self.landing: dict[str, tuple[Params, Params, bool]] = {}  # float32 grads to store
+        self.upcasts: dict[str, Params] = {}  # float32 copies of 16-bit params, until release
 
     # --- allocation, as the sharding table says -------------------------------------------
 
@@ -232,16 +233,17 @@ class Strategy:
         float32 copies, counted as a buffer until release (numpy has no fast 16-bit matmul)."""
         if not self.mixed or not views:
             return views
-        flat = FlatParam(layer.shapes)
-        full = self.ledger.alloc("buffers", flat.numel, f"{layer.name} upcast")
-        out = flat.views(full)
-        for key, view in views.items():
-            out[key][...] = view
-        return out
+        if layer.name not in self.upcasts:  # once until release (--recompute asks twice)
+            flat = FlatParam(layer.shapes)
+            full = self.ledger.alloc("buffers", flat.numel, f"{layer.name} upcast")
+            self.upcasts[layer.name] = flat.views(full)
+            for key, view in views.items():
+                self.upcasts[layer.name][key][...] = view
+        return self.upcasts[layer.name]
 
     def drop_upcast(self, layer) -> None:
         """The layer's float32 copy is free again (release)."""
-        if f"{layer.name} upcast" in self.ledger.held:
+        if self.upcasts.pop(layer.name, None) is not None:
             self.ledger.free(f"{layer.name} upcast")
 
     def backward_buffer(self, layer, target: Params, accumulate: bool) -> Params:
