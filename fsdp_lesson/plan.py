@@ -65,6 +65,67 @@ def step_seconds(
     return traffic_bytes(stage, psi, n, bytes_per_element) / bandwidth
 
 
+# --- planning a real model: every term of a GPU's memory -----------------------------------
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A decoder-only transformer's shape (Llama-like): enough to count its bytes."""
+
+    name: str
+    layers: int  # L
+    hidden: int  # h
+    heads: int  # a
+    vocab: int = 32_000
+
+    @property
+    def params(self) -> int:
+        """Ψ ≈ 12·L·h² (attention 4h², MLP 8h²) plus the input and output embeddings, 2·V·h."""
+        return 12 * self.layers * self.hidden**2 + 2 * self.vocab * self.hidden
+
+
+LLAMA_7B = Transformer("7B", layers=32, hidden=4096, heads=32)  # Ψ ≈ 6.7 B, Llama 2 7B's shape
+LLAMA_70B = Transformer("70B", layers=80, hidden=8192, heads=64)  # Ψ ≈ 65 B (no GQA)
+
+
+def transformer_activation_bytes(
+    model: Transformer, seq_len: int, micro_batch: int, recompute: bool, item: int = 2
+) -> int:
+    """Activations one GPU keeps for backward, by the formula of Korthikanti et al. (2022),
+    "Reducing Activation Recomputation in Large Transformer Models", for 16-bit activations.
+
+    A layer keeps s·b·h·(34 + 5·a·s/h) bytes (the 5·a·s/h term: attention's s×s scores).
+    Recomputing every layer keeps only each layer's input, 2·s·b·h bytes, plus one layer's
+    full activations while it is recomputed in backward. A formula: predicted, not measured.
+    """
+    s, b, h, a = seq_len, micro_batch, model.hidden, model.heads
+    per_layer = s * b * h * (34 + 5 * a * s // h) * item // 2
+    if not recompute:
+        return model.layers * per_layer
+    return model.layers * item * s * b * h + per_layer
+
+
+def gpu_bytes(
+    model: Transformer,
+    stage: str,
+    n: int,
+    *,
+    precision: str = "bf16",
+    seq_len: int = 4096,
+    micro_batch: int = 1,
+    recompute: bool = False,
+) -> dict[str, float]:
+    """Bytes per GPU of a real model with Adam: the ZeRO state (`state_bytes`), zero3's
+    gathered layers (one computing, one prefetched, in 16 bits), and the activations."""
+    bytes_per = precision_of(precision, "adam")
+    out = state_bytes(stage, model.params, n, bytes_per)
+    layer = 12 * model.hidden**2  # one transformer layer's parameters: zero3's unit
+    out["gathered"] = 2 * layer * bytes_per.params if stage == "zero3" else 0
+    item = bytes_per.params  # activations in the compute precision
+    out["activations"] = transformer_activation_bytes(model, seq_len, micro_batch, recompute, item)
+    return out
+
+
 # --- predicting this package's ledger exactly ----------------------------------------------
 
 

@@ -44,3 +44,26 @@ def test_predicts_the_ledger_on_one_rank(strategy, optimizer, model):
     config = TrainConfig(strategy=strategy, optimizer=optimizer, steps=2, eval_batches=0, samples=0)
     history, _ = run(model, config, data=Dataset.load())
     assert history.memory["peak"] == ledger_bytes(strategy, model, 1, optimizer, micro_batch=32)
+
+
+def test_real_model_planner_has_every_lever():
+    """The 7B/70B planner: Ψ near the real models', the activation formula's terms, and the
+    answer the lesson gives: 70B on 80 GiB needs ZeRO-3 and recomputation."""
+    from fsdp_lesson.plan import LLAMA_7B, LLAMA_70B, gpu_bytes, transformer_activation_bytes
+
+    assert abs(LLAMA_7B.params / 6.74e9 - 1) < 0.02  # Llama 2 7B has 6.74 B
+    s, b, h = 4096, 1, LLAMA_70B.hidden
+    layer = s * b * h * (34 + 5 * LLAMA_70B.heads * s // h)
+    assert transformer_activation_bytes(LLAMA_70B, s, b, recompute=False) == 80 * layer
+    assert transformer_activation_bytes(LLAMA_70B, s, b, recompute=True) == 80 * 2 * s * h + layer
+    gib = 80 * 2**30
+
+    def fits(stage, n, **levers):
+        return sum(gpu_bytes(LLAMA_70B, stage, n, **levers).values()) <= gib
+
+    assert not any(fits("zero3", n) for n in (8, 64, 512, 4096))  # activations alone > 80 GiB
+    assert fits("zero3", 64, recompute=True) and not fits("zero3", 8, recompute=True)
+    assert not fits("zero2", 4096, recompute=True)  # 2 bytes of params per GPU: 130 GB
+    fp32 = gpu_bytes(LLAMA_7B, "zero1", 8, precision="fp32")
+    bf16 = gpu_bytes(LLAMA_7B, "zero1", 8)
+    assert fp32["params"] == 2 * bf16["params"] and fp32["activations"] == 2 * bf16["activations"]
