@@ -32,7 +32,7 @@ from .data import DataError, sha256_of
 from .rng import Rng
 from .strategies import Strategy
 
-FORMAT = 3
+FORMAT = 4
 # TrainConfig fields a resumed run may change; everything else must match the checkpoint.
 # With reshard=True the global batch may change too (see check_compatible).
 MAY_CHANGE = {"strategy", "steps", "log_every", "eval_batches", "samples", "memory_budget_mb"}
@@ -47,6 +47,7 @@ MANIFEST_TYPES = {
     "model_config": dict,
     "train_config": dict,
     "optimizer_steps": int,
+    "loss_scaler": dict,  # fp16's LossScaler: {"scale", "good_steps"}; {} without one
     "layers": dict,
     "rng": dict,
     "files": dict,
@@ -125,6 +126,7 @@ def save_checkpoint(
             "model_config": model_config,
             "train_config": train_config,
             "optimizer_steps": strategy.optimizer.t,
+            "loss_scaler": scaler_state(strategy),
             "layers": {
                 layer.name: {k: list(v) for k, v in layer.shapes.items()}
                 for layer in strategy.model.layers
@@ -201,6 +203,13 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return manifest
 
 
+def scaler_state(strategy: Strategy) -> dict:
+    """fp16's loss scale and its run of good steps; {} for a run without loss scaling."""
+    if strategy.scaler is None:
+        return {}
+    return {"scale": float(strategy.scaler.scale), "good_steps": strategy.scaler.good_steps}
+
+
 def _validate(manifest, path: Path) -> None:
     """Refuse a manifest whose shape is not what save_checkpoint writes."""
 
@@ -219,6 +228,14 @@ def _validate(manifest, path: Path) -> None:
     n, step = manifest["world_size"], manifest["step"]
     if n < 1 or step < 0 or manifest["optimizer_steps"] < 0:
         raise bad(f"world_size {n}, step {step}: out of range")
+    scaler = manifest["loss_scaler"]
+    if scaler and not (
+        isinstance(scaler.get("scale"), float)
+        and scaler["scale"] > 0
+        and isinstance(scaler.get("good_steps"), int)
+        and scaler["good_steps"] >= 0
+    ):
+        raise bad(f"'loss_scaler' is {scaler!r}, not a positive scale and a step count")
     expected = {rank_file(r, n) for r in range(n)} | {"losses.npy"}
     if set(manifest["files"]) != expected:
         raise bad(f"its files {sorted(manifest['files'])} are not the {n} ranks' shards")
@@ -289,6 +306,9 @@ def load_checkpoint(
         raise CheckpointError(f"{found}: the shards lack {missing}: resume with the same optimizer")
     vectors = {key: np.concatenate([s[key] for s in shards]) for key in strategy.local_state()}
     strategy.load_state(vectors, manifest["optimizer_steps"])
+    if strategy.scaler is not None and manifest["loss_scaler"]:  # fp16: the scale goes on
+        strategy.scaler.scale = manifest["loss_scaler"]["scale"]
+        strategy.scaler.good_steps = manifest["loss_scaler"]["good_steps"]
     try:
         rng.set_state(manifest["rng"])
     except (KeyError, TypeError, ValueError) as err:

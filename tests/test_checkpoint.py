@@ -47,6 +47,27 @@ def test_resume_is_bit_identical_to_a_run_that_never_stopped(tmp_path, data, opt
     assert straight.samples == resumed.samples and straight.val_loss == resumed.val_loss
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("strategy", ["single", "zero3"])
+def test_mixed_precision_resumes_bit_identically(tmp_path, data, precision, strategy):
+    """The fp32 master is saved, the 16-bit copy derived from it; fp16's loss scale and its
+    run of good steps are saved too (a resumed run doubles the scale when one that never
+    stopped would)."""
+    config = small(strategy=strategy, optimizer="adam", precision=precision, steps=60)
+    straight, s1 = run(ModelConfig(), config, data=data)
+    half = small(strategy=strategy, optimizer="adam", precision=precision, steps=30)
+    run(ModelConfig(), half, RunConfig(save_every=30, checkpoint_dir=tmp_path / "c"), data=data)
+    resumed, s2 = run(ModelConfig(), config, RunConfig(resume=tmp_path / "c"), data=data)
+    for key, entry in s1.local_state().items():
+        assert entry.array.tobytes() == s2.local_state()[key].array.tobytes(), key
+    assert np.array_equal(straight.losses, resumed.losses)
+    assert straight.skipped_steps == resumed.skipped_steps
+    if precision == "fp16":
+        assert (s2.scaler.scale, s2.scaler.good_steps) == (s1.scaler.scale, 60)
+    with pytest.raises(CheckpointError, match="precision"):  # another precision is refused
+        run(ModelConfig(), small(steps=60), RunConfig(resume=tmp_path / "c"), data=data)
+
+
 def saved(tmp_path, data, **kw) -> Path:
     run(
         ModelConfig(),
