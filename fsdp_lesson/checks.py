@@ -99,3 +99,24 @@ def check(name: str, answer, expected, hint: str = "", atol: float | None = None
         return True
     print(f"✗ {name}: expected {_show(expected)}, got {_show(answer)}{tail}")
     return False
+
+
+def verdict(name: str, per_rank: list, hint: str, atol: float = 1e-6) -> bool:
+    """One line for an exercise checked on every rank: per_rank[r] lists (what, answer,
+    expected) computed on rank r; the first shape or value that differs is named."""
+    if any(not_solved(answer) for items in per_rank for _, answer, _ in items):
+        print(f"✗ {name}: {NOT_SOLVED} — {hint}")
+        return False
+    for r, items in enumerate(per_rank):
+        for what, answer, expected in items:
+            answer, expected = np.asarray(answer), np.asarray(expected)
+            if answer.shape != expected.shape:
+                shapes = f"shape {answer.shape}, expected {expected.shape}"
+                print(f"✗ {name}: rank {r}, {what}: {shapes}")
+                return False
+            diff = float(np.max(np.abs(answer - expected), initial=0.0))
+            if not diff <= atol:
+                print(f"✗ {name}: rank {r}, {what}: max difference {diff:.1e} — {hint}")
+                return False
+    print(f"✓ {name}: correct on all {len(per_rank)} ranks")
+    return True

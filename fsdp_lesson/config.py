@@ -167,6 +167,11 @@ class RunConfig:
     timeline_step: int | None = None  # record the ledger's every change during this step
     trace_step: int | None = None  # record the wall-clock spans of compute and collectives
 
+    def __post_init__(self) -> None:
+        for name in ("data", "checkpoint_dir", "resume"):  # a str is a path too
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, Path(getattr(self, name)))
+
     def validate(self) -> None:
         _require(
             self.collectives in ("mpi", "ring"),

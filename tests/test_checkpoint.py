@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fsdp_lesson.checkpoint import CheckpointError, read_manifest
-from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
+from fsdp_lesson.config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
 
@@ -188,3 +188,19 @@ def test_resharding_every_strategy_pair_trains_on_equivalently(resharded, data, 
                 assert diff <= 1e-5, f"{source}@4 -> {target}@{n}: {key} differs by {diff:.1e}"
             loss_diff = np.abs(got["losses"][50:] - reference.losses[50:]).max()
             assert loss_diff <= 1e-5, f"{source}@4 -> {target}@{n}: loss differs by {loss_diff:.1e}"
+
+
+def test_paths_given_as_strings_work_as_paths(tmp_path, data):
+    """RunConfig takes str paths (a notebook passes str(...) to its engines): the refusal of
+    an existing checkpoint names the directory instead of failing on str.parent."""
+    where = str(tmp_path / "c")
+    run(ModelConfig(), small(steps=10), RunConfig(save_every=10, checkpoint_dir=where), data=data)
+    with pytest.raises(ConfigError, match="--resume"):
+        run(
+            ModelConfig(),
+            small(steps=10),
+            RunConfig(save_every=10, checkpoint_dir=where),
+            data=data,
+        )
+    resumed, _ = run(ModelConfig(), small(steps=20), RunConfig(resume=where), data=data)
+    assert resumed.resumed_from["step"] == 10
