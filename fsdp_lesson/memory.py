@@ -6,6 +6,8 @@ activations it keeps for backward, so every byte the ZeRO tables talk about is c
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -23,17 +25,15 @@ class MemoryLedger:
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
+        self.live_total = 0  # sum(live.values()), kept as it changes: hold runs on every layer
         self.held: dict[str, tuple[str, int]] = {}  # label -> (category, bytes)
         # when recording: (event, live total) at every hold, free and mark
         self.timeline: list[tuple[str, int]] | None = None
 
-    @property
-    def live_total(self) -> int:
-        return sum(self.live.values())
-
     def alloc(self, category: str, shape, label: str, dtype=np.float32) -> np.ndarray:
         """A zeroed array, counted under `category` until `free(label)`."""
-        self.hold(category, label, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        count = shape if isinstance(shape, int) else math.prod(shape)
+        self.hold(category, label, int(count) * np.dtype(dtype).itemsize)
         return np.zeros(shape, dtype=dtype)
 
     def hold(self, category: str, label: str, nbytes: int) -> None:
@@ -49,6 +49,7 @@ class MemoryLedger:
             )
         self.held[label] = (category, nbytes)
         self.live[category] += nbytes
+        self.live_total += nbytes
         self.peak[category] = max(self.peak[category], self.live[category])
         self.peak_total = max(self.peak_total, self.live_total)
         self.mark(f"hold {label}")
@@ -56,6 +57,7 @@ class MemoryLedger:
     def free(self, label: str) -> None:
         category, nbytes = self.held.pop(label)
         self.live[category] -= nbytes
+        self.live_total -= nbytes
         self.mark(f"free {label}")
 
     def mark(self, event: str) -> None:
