@@ -7,11 +7,12 @@ Prints two tables (figures to read, never a test):
    inside collectives, run with fsdp_lesson.train.run under `mpiexec -n N`; whole-process
    seconds of the CLI (`mpiexec -n N python -m fsdp_lesson train ...`, median of reps); each
    also as a ratio to single-rank training measured in the same run.
-2. At 10.8 M parameters (hidden 1024, 11 layers), N = 2, SGD: each strategy's memory-traffic
-   floor (the bytes a rank must read and write per step, counted by TOUCHES below, divided by
-   the copy bandwidth each rank gets while both copy) beside its measured step, and where the
-   step's time goes: forward and backward compute, the optimizer's update, collectives, and
-   the rest (the hooks, allocation, the loop's bookkeeping).
+2. At 10.8 M parameters (hidden 1024, 11 layers), N = 2, SGD: each strategy's floor beside
+   its measured step: the step's matrix products run alone (a kernel measured in the same
+   run) plus every other byte a rank must read and write per step (counted by TOUCHES below)
+   at the copy bandwidth each rank gets while both copy; and where the step's time goes:
+   forward and backward compute, the optimizer's update, collectives, and the rest (the
+   hooks, allocation, the loop's bookkeeping).
 The fixed numpy kernel, a 64 MB np.copyto, gives the machine's copy bandwidth, so figures from
 different machines compare as ratios. A whole-process run that other processes slowed (more
 than a quarter of a core on average) is run again, at most three times, and marked *; the
@@ -58,6 +59,26 @@ TOUCHES = {
     "zero3": lambda n: 2 * 2 + 3 + (1 + 1 / n) + 3 / n,
 }
 PHASES = ("forward", "backward", "update", "collectives", "rest")
+
+
+def matmul_ms(model, rows: int, repeats: int = 5) -> float:
+    """ms for every Linear layer's three matrix products of one step, at `rows` rows per rank,
+    alone (median of repeats): forward x @ W, backward x.T @ dout and dout @ W.T."""
+    rng = np.random.default_rng(0)
+    shapes = [layer.shapes["W"] for layer in model.layers if "b" in layer.shapes]
+    arrays = [  # x (rows, in), W (in, out), dW (in, out)
+        (rng.random((rows, i), np.float32), rng.random((i, o), np.float32), np.empty((i, o), "f4"))
+        for i, o in shapes
+    ]
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for x, w, g in arrays:
+            out = x @ w
+            np.matmul(x.T, out, out=g)  # dW, written into a gradient buffer
+            out @ w.T
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds) * 1e3
 
 
 def copy_gb_per_s(repeats: int = 10) -> float:
@@ -130,6 +151,9 @@ def worker(kind: str, steps: int) -> None:
     if kind == "large":  # the bandwidth each rank gets while every rank copies
         comm.barrier()
         record["copy_gb_s"] = copy_gb_per_s()
+        comm.barrier()  # and the matrix products while every rank computes them
+        model = model_module.MLP(model_config)
+        record["matmul_ms"] = matmul_ms(model, TrainConfig().batch // comm.size)
     for strategy in strategies:
         config = TrainConfig(strategy=strategy, steps=steps, eval_batches=0, samples=0)
         clock.seconds = dict.fromkeys(clock.seconds, 0.0)
@@ -239,21 +263,24 @@ def seed_table(args) -> None:
 def large_table(args) -> None:
     """Table 2: 10.8 M parameters, N = 2: floor, measured step, and its phases."""
     large = worker_rows(2, "large", args.large_steps)
-    params, per_rank_copy = large[0]["params"], large[0]["copy_gb_s"]
+    first = large[0]
+    params, per_rank_copy, compute = first["params"], first["copy_gb_s"], first["matmul_ms"]
     print(
         f"\n{params / 1e6:.1f} M parameters, N = 2, SGD, {args.large_steps} steps; {load()}\n"
-        f"floor = the counted bytes per rank per step / {per_rank_copy:.1f} GB/s (np.copyto "
+        f"floor = the matrix products alone ({compute:.1f} ms, measured with both ranks "
+        f"computing) + the other counted bytes per rank / {per_rank_copy:.1f} GB/s (np.copyto "
         f"with both ranks copying); the phases are ms/step (means)"
     )
-    header = ["MB/step", "floor ms", "step ms", "x floor", *PHASES]
+    header = ["MB/step", "bytes ms", "floor ms", "step ms", "x floor", *PHASES]
     print(f"{'strategy':8s} " + " ".join(f"{h:>8s}" for h in header))
     for r in large:
         traffic = TOUCHES[r["strategy"]](r["ranks"]) * 4 * params
-        floor_ms = traffic / (per_rank_copy * 1e9) * 1e3
+        bytes_ms = (traffic - 3 * 4 * params) / (per_rank_copy * 1e9) * 1e3  # W's 3 in compute
+        floor_ms = compute + bytes_ms
         phases = " ".join(f"{r['phases_ms'][p]:8.2f}" for p in PHASES)
         print(
-            f"{r['strategy']:8s} {traffic / 1e6:8.1f} {floor_ms:8.2f} {r['step_ms']:8.2f} "
-            f"{r['step_ms'] / floor_ms:8.2f} {phases}",
+            f"{r['strategy']:8s} {traffic / 1e6:8.1f} {bytes_ms:8.2f} {floor_ms:8.2f} "
+            f"{r['step_ms']:8.2f} {r['step_ms'] / floor_ms:8.2f} {phases}",
             flush=True,
         )
 
