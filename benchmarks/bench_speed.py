@@ -1,19 +1,25 @@
 """Speed of every strategy at N = 1, 2, 4, each figure beside references measured in the same run.
 
-    python benchmarks/bench_speed.py [--reps 3] [--steps 2000] [--cli-steps 5000] [--ranks 1 2 4]
+    python benchmarks/bench_speed.py [--quick] [--reps 3] [--ranks 1 2 4] [--large-steps 30]
 
-Prints three tables (a figure to read, never a test):
-1. ms/step (median over steps, the seed's model, SGD) and the ms/step inside collectives,
-   run with fsdp_lesson.train.run under `mpiexec -n N`; whole-process seconds of the CLI
-   (`mpiexec -n N python -m fsdp_lesson train ... --steps CLI_STEPS`, median of reps); and
-   both as ratios to single-rank training measured in the same run.
-2. Start-up: the CLI with one step against `python -c "import numpy; from mpi4py import MPI"`.
-3. At 10.8 M parameters (hidden 1024, 11 layers), N = 2: each strategy's memory-traffic floor
-   (the bytes a rank must read and write per step, counted below, divided by the copy
-   bandwidth both ranks get at once) beside its measured step.
+Prints two tables (figures to read, never a test):
+1. The seed's model, SGD: ms/step (median over steps past the warm-up) and the ms/step spent
+   inside collectives, run with fsdp_lesson.train.run under `mpiexec -n N`; whole-process
+   seconds of the CLI (`mpiexec -n N python -m fsdp_lesson train ...`, median of reps); each
+   also as a ratio to single-rank training measured in the same run.
+2. At 10.8 M parameters (hidden 1024, 11 layers), N = 2, SGD: each strategy's floor beside
+   its measured step: the step's matrix products run alone (a kernel measured in the same
+   run) plus every other byte a rank must read and write per step (counted by TOUCHES below)
+   at the copy bandwidth each rank gets while both copy; and where the step's time goes:
+   forward and backward compute, the optimizer's update, collectives (the seconds blocked in
+   them: for a non-blocking one, its wait), and the rest (the hooks, allocation, the loop's
+   bookkeeping, and the time spent starting non-blocking collectives: zero3's prefetch).
 The fixed numpy kernel, a 64 MB np.copyto, gives the machine's copy bandwidth, so figures from
-different machines compare as ratios. Runs that other processes slowed (more than a quarter
-of a core on average) are run again, at most three times, and marked.
+different machines compare as ratios. A whole-process run that other processes slowed (more
+than a quarter of a core on average) is run again, at most three times, and marked *; the
+load average is printed with each table. On 2 cores shared with other work (load average
+about 9), --quick took 5 minutes before it was made shorter still; the default is about 3
+times --quick's work at N <= 2, plus N = 4.
 """
 
 from __future__ import annotations
@@ -35,27 +41,51 @@ from fsdp_lesson.launch import rank_env
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 STRATEGIES = ["dp", "zero1", "zero2", "zero3"]
-LARGE = {"hidden_size": 1024, "n_layers": 11}  # ModelConfig fields: 10.8 M parameters
+LARGE = {"hidden": 1024, "layers": 11}  # ModelConfig fields: 10.8 M parameters
 COPY_BYTES = 64 * 2**20
 FOREIGN_LIMIT = 0.25  # cores other processes may use during a timed run before it is redone
 
-# Parameter-sized arrays a rank reads or writes per step, as fractions of the whole model
-# (float32, SGD), with n ranks. Forward reads W; backward reads W (for dx) and writes dW; SGD
-# reads p and g and writes p (3 touches, on a shard of 1/n where sharded). An allreduce reads
-# and writes its buffer; a reduce-scatter reads the full buffer and writes a shard; an
-# allgather reads a shard and writes the full buffer. Activations (a few hundred KB) are left
-# out. zero3 gathers every layer twice (forward and backward).
+# Bytes a rank must read plus write per step, in units of the model's float32 size F (SGD, n
+# ranks). Compute: forward reads W, backward reads W (for dx) and writes dW: 3. SGD reads p
+# and g and writes p: 3, on a shard (3/n) where the optimizer state is sharded. Collectives,
+# if every rank read its peers' buffers directly (a single copy through shared memory):
+# a reduce-scatter reads rank r's chunk of every rank's buffer (F) and writes the shard (F/n):
+# 1 + 1/n; an allgather into the full buffer reads the n - 1 other shards and writes them
+# (in place, as zero1's): 2(n-1)/n, or 2 when the own shard is copied too (zero3's); an
+# allreduce is both: 3 - 1/n. Activations (a few hundred KB) are left out; zero3 gathers
+# every unit twice (forward and backward).
 TOUCHES = {
     "single": lambda n: 3 + 3,
-    "dp": lambda n: 3 + 2 + 3,
-    "zero1": lambda n: 3 + (1 + 1 / n) + 3 / n + (1 / n + 1),
-    "zero2": lambda n: 3 + (1 + 1 / n) + 3 / n + (1 / n + 1),
-    "zero3": lambda n: 2 * (1 / n + 1) + 3 + (1 + 1 / n) + 3 / n,
+    "dp": lambda n: 3 + (3 - 1 / n) + 3,
+    "zero1": lambda n: 3 + (1 + 1 / n) + 3 / n + 2 * (n - 1) / n,
+    "zero2": lambda n: 3 + (1 + 1 / n) + 3 / n + 2 * (n - 1) / n,
+    "zero3": lambda n: 2 * 2 + 3 + (1 + 1 / n) + 3 / n,
 }
+PHASES = ("forward", "backward", "update", "collectives", "rest")
+
+
+def matmul_ms(model, rows: int, repeats: int = 10) -> float:
+    """ms for every Linear layer's three matrix products of one step, at `rows` rows per rank,
+    alone (the fastest of repeats): forward x @ W, backward x.T @ dout and dout @ W.T."""
+    rng = np.random.default_rng(0)
+    shapes = [layer.shapes["W"] for layer in model.layers if "b" in layer.shapes]
+    arrays = [  # x (rows, in), W (in, out), dW (in, out)
+        (rng.random((rows, i), np.float32), rng.random((i, o), np.float32), np.empty((i, o), "f4"))
+        for i, o in shapes
+    ]
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for x, w, g in arrays:
+            out = x @ w
+            np.matmul(x.T, out, out=g)  # dW, written into a gradient buffer
+            out @ w.T
+        seconds.append(time.perf_counter() - start)
+    return min(seconds) * 1e3
 
 
 def copy_gb_per_s(repeats: int = 10) -> float:
-    """Bytes read plus written per second by np.copyto of 64 MB (median of repeats), in GB/s."""
+    """Bytes read plus written per second by np.copyto of 64 MB (the fastest of repeats), GB/s."""
     src = np.ones(COPY_BYTES // 4, dtype=np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # touch the pages first
@@ -64,42 +94,104 @@ def copy_gb_per_s(repeats: int = 10) -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
         seconds.append(time.perf_counter() - start)
-    return 2 * COPY_BYTES / statistics.median(seconds) / 1e9
+    return 2 * COPY_BYTES / min(seconds) / 1e9
+
+
+class PhaseClock:
+    """Seconds spent in the layers' forward and backward and in strategy.step, by wrapping them.
+
+    The collectives' seconds come from Comm's own clock; the collectives inside step (zero1's
+    and zero2's) are subtracted from it, so `update` is the optimizer's work alone.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(("forward", "backward", "step", "step collectives"), 0.0)
+        self.inside: set[str] = set()  # the phases being timed right now
+
+    def wrap(self, owner, method: str, phase: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(obj, *args, **kwargs):
+            if phase in self.inside:  # a subclass's step calling its parent's: counted once
+                return inner(obj, *args, **kwargs)
+            self.inside.add(phase)
+            start = time.perf_counter()
+            before = _comm_seconds(obj.comm) if phase == "step" else 0.0
+            try:
+                return inner(obj, *args, **kwargs)
+            finally:
+                self.inside.discard(phase)
+                self.seconds[phase] += time.perf_counter() - start
+                if phase == "step":
+                    self.seconds["step collectives"] += _comm_seconds(obj.comm) - before
+
+        setattr(owner, method, timed)
+
+
+def _comm_seconds(comm) -> float:
+    return sum(t.seconds for t in comm.traffic.values())
 
 
 def worker(kind: str, steps: int) -> None:
     """On every rank of one mpiexec: train each strategy; rank 0 prints one JSON line each."""
+    from fsdp_lesson import model as model_module
     from fsdp_lesson.comm import Comm
     from fsdp_lesson.config import ModelConfig, TrainConfig
     from fsdp_lesson.data import Dataset
-    from fsdp_lesson.model import MLP
+    from fsdp_lesson.strategies import STRATEGY_CLASSES
     from fsdp_lesson.train import run
 
+    clock = PhaseClock()
+    if kind == "large":  # the phases of the step
+        for cls in (model_module.Embedding, model_module.Linear, model_module.ReLU):
+            clock.wrap(cls, "forward", "forward")
+            clock.wrap(cls, "backward", "backward")
+        clock.wrap(model_module.SoftmaxCrossEntropy, "forward", "forward")
+        clock.wrap(model_module.SoftmaxCrossEntropy, "backward", "backward")
+        for cls in STRATEGY_CLASSES.values():
+            if "step" in vars(cls):
+                clock.wrap(cls, "step", "step")
     data = Dataset.load()
     comm = Comm.world()
     model_config = ModelConfig(**LARGE) if kind == "large" else ModelConfig()
     strategies = STRATEGIES if comm.size > 1 else ["single", *STRATEGIES]
-    record = {"ranks": comm.size, "params": MLP(model_config).num_params}
+    record = {"ranks": comm.size, "params": model_module.MLP(model_config).num_params}
     if kind == "large":  # the bandwidth each rank gets while every rank copies
         comm.barrier()
         record["copy_gb_s"] = copy_gb_per_s()
+        comm.barrier()  # and the matrix products while every rank computes them
+        model = model_module.MLP(model_config)
+        record["matmul_ms"] = matmul_ms(model, TrainConfig().batch // comm.size)
     for strategy in strategies:
-        config = TrainConfig(strategy=strategy, steps=steps, eval_batches=0, n_samples=0)
+        config = TrainConfig(strategy=strategy, steps=steps, eval_batches=0, samples=0)
+        clock.seconds = dict.fromkeys(clock.seconds, 0.0)
+        start = time.perf_counter()
         history, _ = run(model_config, config, comm=Comm.world(), data=data)
         seconds = history.step_seconds[steps // 10 :]  # past the warm-up
         comm_seconds = sum(t["seconds"] for t in history.traffic.values())
+        total = history.step_seconds.sum()
+        phases = {
+            "forward": clock.seconds["forward"],
+            "backward": clock.seconds["backward"],
+            "update": clock.seconds["step"] - clock.seconds["step collectives"],
+            "collectives": comm_seconds,
+        }
+        phases["rest"] = total - sum(phases.values())
         if comm.rank == 0:
             row = record | {
                 "strategy": strategy,
                 "step_ms": float(np.median(seconds) * 1e3),
                 "comm_ms": comm_seconds / steps * 1e3,
+                "phases_ms": {k: v / steps * 1e3 for k, v in phases.items()},
+                "run_s": time.perf_counter() - start,
             }
             print(json.dumps(row), flush=True)
 
 
 def _busy_seconds() -> float:
     """CPU seconds all processes of the machine have used (Linux /proc/stat)."""
-    fields = open("/proc/stat").readline().split()[1:9]
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:9]
     user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields)
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
@@ -121,17 +213,13 @@ def timed(command: list[str], tries: int = 3, timeout: float = 900) -> tuple[flo
     return seconds, True
 
 
-def median_of(command: list[str], reps: int) -> tuple[float, bool]:
-    runs = [timed(command) for _ in range(reps)]
-    return statistics.median(s for s, _ in runs), any(d for _, d in runs)
-
-
 def launch(n: int, *args: str) -> list[str]:
     """python ARGS on n ranks; one rank runs as a user runs it, without mpiexec."""
     return [*([MPIEXEC, "-n", str(n)] if n > 1 else []), sys.executable, *args]
 
 
 def worker_rows(n: int, kind: str, steps: int) -> list[dict]:
+    """Run worker(kind, steps) on n ranks; its JSON rows."""
     command = launch(n, __file__, "--worker", kind, "--steps", str(steps))
     out = subprocess.run(
         command, capture_output=True, text=True, timeout=1800, check=True, env=rank_env()
@@ -144,62 +232,87 @@ def cli(n: int, strategy: str, steps: int) -> list[str]:
     return launch(n, *train, "--eval-batches", "1", "--samples", "0", "--log-every", "1000000")
 
 
+def load() -> str:
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def seed_table(args) -> None:
+    """Table 1: the seed's model at every N, ms/step and whole-process seconds."""
+    rows = [row for n in args.ranks for row in worker_rows(n, "small", args.steps)]
+    single = next((r for r in rows if r["strategy"] == "single"), None)
+    print(f"the seed's model ({rows[0]['params']:,} parameters), SGD; {load()}")
+    print(
+        f"whole-process: the CLI, {args.cli_steps} steps at N <= 2, {args.cli_steps_4} at N = 4, "
+        f"median of {args.reps}; * = disturbed by other processes"
+    )
+    print(
+        f"{'strategy':8s} {'N':>2s} {'ms/step':>8s} {'in coll.':>8s} {'x single':>8s} "
+        f"{'whole s':>8s} {'s/kstep':>8s} {'x single':>8s}"
+    )
+    per_kstep_single = None
+    for r in rows:
+        steps = args.cli_steps if r["ranks"] <= 2 else args.cli_steps_4
+        command = cli(r["ranks"], r["strategy"], steps)
+        runs = [timed(command) for _ in range(args.reps)]
+        whole = statistics.median(s for s, _ in runs)
+        per_kstep = whole / steps * 1000
+        per_kstep_single = per_kstep_single or per_kstep  # single is the first row
+        ratio = r["step_ms"] / single["step_ms"] if single else float("nan")
+        print(
+            f"{r['strategy']:8s} {r['ranks']:2d} {r['step_ms']:8.3f} {r['comm_ms']:8.3f} "
+            f"{ratio:8.2f} {whole:7.2f}{'*' if any(d for _, d in runs) else ' '} "
+            f"{per_kstep:8.3f} {per_kstep / per_kstep_single:8.2f}",
+            flush=True,
+        )
+    if single:
+        print(f"reference: single-rank training, {1e3 / single['step_ms']:,.0f} steps/s")
+
+
+def large_table(args) -> None:
+    """Table 2: 10.8 M parameters, N = 2: floor, measured step, and its phases."""
+    large = worker_rows(2, "large", args.large_steps)
+    first = large[0]
+    params, per_rank_copy, compute = first["params"], first["copy_gb_s"], first["matmul_ms"]
+    print(
+        f"\n{params / 1e6:.1f} M parameters, N = 2, SGD, {args.large_steps} steps; {load()}\n"
+        f"floor = the matrix products alone ({compute:.1f} ms, measured with both ranks "
+        f"computing) + the other counted bytes per rank / {per_rank_copy:.1f} GB/s (np.copyto "
+        f"with both ranks copying); the phases are ms/step (means)"
+    )
+    header = ["MB/step", "bytes ms", "floor ms", "step ms", "x floor", *PHASES]
+    print(f"{'strategy':8s} " + " ".join(f"{h:>8s}" for h in header))
+    for r in large:
+        traffic = TOUCHES[r["strategy"]](r["ranks"]) * 4 * params
+        bytes_ms = (traffic - 3 * 4 * params) / (per_rank_copy * 1e9) * 1e3  # W's 3 in compute
+        floor_ms = compute + bytes_ms
+        phases = " ".join(f"{r['phases_ms'][p]:8.2f}" for p in PHASES)
+        print(
+            f"{r['strategy']:8s} {traffic / 1e6:8.1f} {bytes_ms:8.2f} {floor_ms:8.2f} "
+            f"{r['step_ms']:8.2f} {r['step_ms'] / floor_ms:8.2f} {phases}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, runs and ranks")
     parser.add_argument("--reps", type=int, default=3, help="whole-process runs per figure")
     parser.add_argument("--steps", type=int, default=2000, help="steps per ms/step figure")
-    parser.add_argument("--cli-steps", type=int, default=5000, help="steps of the timed CLI run")
+    parser.add_argument("--cli-steps", type=int, default=5000, help="CLI steps at N <= 2")
+    parser.add_argument("--cli-steps-4", type=int, default=2000, help="CLI steps at N = 4")
     parser.add_argument("--large-steps", type=int, default=30, help="steps at 10.8 M parameters")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--worker", choices=["small", "large"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.large_steps if args.worker == "large" else args.steps)
+        return worker(args.worker, args.steps)
+    if args.quick:
+        args.reps, args.steps, args.cli_steps, args.cli_steps_4 = 1, 300, 500, 300
+        args.large_steps, args.ranks = 5, [1, 2]
     os.environ.update(rank_env())  # the ranks' environment (fsdp_lesson/launch.py)
-
-    copy = copy_gb_per_s()
-    rows = [row for n in args.ranks for row in worker_rows(n, "small", args.steps)]
-    single = next(r for r in rows if r["strategy"] == "single")
-    print(f"reference: np.copyto of 64 MB moves {copy:.1f} GB/s (read + write, one process)")
-    print(f"whole-process runs: {args.cli_steps} steps, median of {args.reps}; * = disturbed")
-    print(
-        f"{'strategy':8s} {'N':>2s} {'ms/step':>8s} {'in coll.':>8s} {'x single':>8s} "
-        f"{'whole s':>8s} {'x single':>8s}"
-    )
-    whole_single = None
-    for r in rows:
-        whole, disturbed = median_of(cli(r["ranks"], r["strategy"], args.cli_steps), args.reps)
-        whole_single = whole_single or whole  # single is the first row
-        print(
-            f"{r['strategy']:8s} {r['ranks']:2d} {r['step_ms']:8.3f} {r['comm_ms']:8.3f} "
-            f"{r['step_ms'] / single['step_ms']:8.2f} {whole:7.2f}{'*' if disturbed else ' '} "
-            f"{whole / whole_single:8.2f}",
-            flush=True,
-        )
-
-    startup, d1 = median_of(cli(2, "zero3", 1), args.reps)
-    bare, d2 = median_of(launch(2, "-c", "import numpy; from mpi4py import MPI"), args.reps)
-    print(
-        f"\nstart-up, N = 2: the CLI (zero3, 1 step) {startup:.2f} s{'*' if d1 else ''}, "
-        f"python importing numpy and mpi4py {bare:.2f} s{'*' if d2 else ''}: "
-        f"{startup - bare:+.2f} s"
-    )
-
-    large = worker_rows(2, "large", args.large_steps)
-    params, per_rank_copy = large[0]["params"], large[0]["copy_gb_s"]
-    print(
-        f"\n{params / 1e6:.1f} M parameters, N = 2, SGD: the floor is the counted bytes per "
-        f"rank per step / {per_rank_copy:.1f} GB/s (np.copyto with both ranks copying)"
-    )
-    header = ["MB/step", "floor ms", "step ms", "in coll."]
-    print(f"{'strategy':8s} " + " ".join(f"{h:>8s}" for h in header) + " x floor")
-    for r in large:
-        traffic = TOUCHES[r["strategy"]](r["ranks"]) * 4 * params
-        floor_ms = traffic / (per_rank_copy * 1e9) * 1e3
-        print(
-            f"{r['strategy']:8s} {traffic / 1e6:8.1f} {floor_ms:8.2f} {r['step_ms']:8.2f} "
-            f"{r['comm_ms']:8.2f} {r['step_ms'] / floor_ms:7.2f}"
-        )
+    print(f"reference: np.copyto of 64 MB moves {copy_gb_per_s():.1f} GB/s (read + write)")
+    seed_table(args)
+    large_table(args)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ class Comm:
         self._counted = {kind: (f * (n - 1), f * (n - 1)) for kind, f in RING_FACTOR.items()}
         self._counted["bcast"] = (n - 1, (n - 1) / n)
         self._scalar = np.zeros(1, dtype=np.float64)
+        self._divisors: dict[np.dtype, np.generic] = {}  # N as a scalar of each dtype, made once
 
     @classmethod
     def world(cls, collectives: str = "mpi") -> Comm:
@@ -78,6 +79,13 @@ class Comm:
         from mpi4py import MPI
 
         return cls(MPI.COMM_WORLD, collectives)
+
+    def _divide(self, buf: np.ndarray) -> None:
+        """buf /= N in buf's own precision: the sum over ranks becomes the mean."""
+        divisor = self._divisors.get(buf.dtype)
+        if divisor is None:
+            divisor = self._divisors[buf.dtype] = buf.dtype.type(self.size)
+        buf /= divisor
 
     def _account(self, kind: str, full_bytes: int, start: float) -> None:
         """Add one call that began at perf_counter() == start to the kind's Traffic record."""
@@ -100,7 +108,7 @@ class Comm:
                 self.summing.allreduce(buf)
             else:
                 self.mpi.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-            buf /= buf.dtype.type(self.size)
+            self._divide(buf)
         self._account("allreduce", buf.nbytes, start)
         return buf
 
@@ -149,7 +157,7 @@ class Comm:
             else:
                 send, recv = (self.MPI.IN_PLACE, full) if in_place else (full, shard)
                 self.mpi.Reduce_scatter_block(send, recv, op=self.MPI.SUM)
-            shard /= shard.dtype.type(self.size)
+            self._divide(shard)
         self._account("reduce_scatter", full.nbytes, start)
         return shard
 
@@ -208,7 +216,14 @@ class Comm:
         how = "measured" if self.ring is not None else "counted"
         return {kind: asdict(t) | {"how": how} for kind, t in self.traffic.items()}
 
-    # --- non-blocking collectives and sub-communicators (zero3's prefetch, HSDP) ----------
+    # --- non-blocking collectives and sub-communicators (dp's and zero3's overlap, HSDP) ---
+
+    def iallreduce_mean(self, buf: np.ndarray) -> Request:
+        """Start buf <- the mean of buf over ranks, in place (MPI_Iallreduce); wait() ends it."""
+        if self.ring is not None or self.size == 1 or buf.size == 0 or buf.dtype.itemsize == 2:
+            return Request.done(self, lambda: self.allreduce_mean(buf))
+        started = self.mpi.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        return Request(self, "allreduce", buf.nbytes, started, buf)
 
     def iallgather(self, shard: np.ndarray, full: np.ndarray) -> Request:
         """Start full <- every rank's shard (MPI_Iallgather); the Request's wait() completes it."""
@@ -266,7 +281,7 @@ class Request:
         start = perf_counter()
         self.mpi_request.Wait()
         if self.mean_into is not None:
-            self.mean_into /= self.mean_into.dtype.type(self.comm.size)
+            self.comm._divide(self.mean_into)
         self.comm._account(self.kind, self.nbytes, start)
         self.completed = perf_counter()
 

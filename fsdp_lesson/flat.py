@@ -24,14 +24,15 @@ class FlatParam:
         self.shard_size = -(-self.numel // world_size)  # ceil(numel / N)
         self.padded_numel = self.shard_size * world_size
         self.padding = self.padded_numel - self.numel
+        self.spans = []  # (name, start, stop, shape) of each parameter in the flat vector
+        offset = 0
+        for name, shape in self.shapes.items():
+            self.spans.append((name, offset, offset + self.sizes[name], shape))
+            offset += self.sizes[name]
 
     def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """Each parameter as a shaped view into a full flat buffer (no copy)."""
-        out, offset = {}, 0
-        for name, shape in self.shapes.items():
-            out[name] = flat[offset : offset + self.sizes[name]].reshape(shape)
-            offset += self.sizes[name]
-        return out
+        return {name: flat[start:stop].reshape(shape) for name, start, stop, shape in self.spans}
 
     def flatten(self, arrays: dict[str, np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
         """Copy shaped parameters into a full flat buffer (new if out is None), padding zeroed."""
@@ -51,12 +52,10 @@ class FlatParam:
         """
         start, stop = self.shard_range(rank)
         out[max(self.numel - start, 0) :] = 0  # the padding in this shard
-        offset = 0
-        for name, size in self.sizes.items():
-            lo, hi = max(start, offset), min(stop, offset + size)  # the overlap with this array
+        for name, first, end, _ in self.spans:
+            lo, hi = max(start, first), min(stop, end)  # the overlap with this array
             if lo < hi and name in arrays:
-                out[lo - start : hi - start] = arrays[name].reshape(-1)[lo - offset : hi - offset]
-            offset += size
+                out[lo - start : hi - start] = arrays[name].reshape(-1)[lo - first : hi - first]
         return out
 
     def padded(self, vector: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ import pytest
 
 from fsdp_lesson.flat import FlatParam
 from fsdp_lesson.memory import MemoryLedger
-from fsdp_lesson.optim import SGD, Adam, flush_subnormals
+from fsdp_lesson.optim import BLOCK, SGD, Adam, flush_subnormals
 
 
 def adam_reference(p, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
@@ -51,6 +51,24 @@ def test_a_shard_updates_exactly_like_its_slice(opt):
         opt.update(p_full, g.copy(), full_state)
         opt.update(p_shard, g[4:8].copy(), shard_state)
     assert np.array_equal(p_full[4:8], p_shard)  # bit for bit
+
+
+def test_adam_in_blocks_updates_every_element_as_a_whole_vector_would():
+    """A vector of 2.5 blocks against a slice straddling a block boundary, updated alone."""
+    rng = np.random.default_rng(2)
+    size, lo, hi = 5 * BLOCK // 2, BLOCK - 3, 2 * BLOCK + 5
+    p_full = rng.standard_normal(size).astype(np.float32)
+    p_part = p_full[lo:hi].copy()
+    opt = Adam(1e-2)
+    full_state = opt.init_state(size, MemoryLedger(), "full")
+    part_state = opt.init_state(hi - lo, MemoryLedger(), "part")
+    for _ in range(3):
+        g = rng.standard_normal(size).astype(np.float32)
+        opt.start_step()
+        opt.update(p_full, g.copy(), full_state)
+        opt.update(p_part, g[lo:hi].copy(), part_state)
+    assert np.array_equal(p_full[lo:hi], p_part)  # bit for bit, across the block boundaries
+    assert np.array_equal(full_state["v"][lo:hi], part_state["v"])
 
 
 def test_adam_state_is_counted_by_the_ledger():

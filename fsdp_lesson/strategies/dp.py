@@ -1,7 +1,10 @@
 """dp: data parallelism. Every rank holds everything (as single); gradients are allreduce-meaned.
 
-The whole difference from `single` is one collective per layer in reduce_grads: each rank
-computed its gradient on B/N rows, and the mean of the N means is the full batch's gradient.
+The whole difference from `single` is one collective per layer: each rank computed its
+gradient on B/N rows, and the mean of the N means is the full batch's gradient. As PyTorch
+DDP does, a layer's allreduce starts in reduce_grads, as soon as its backward is done, and
+runs while the layers below compute theirs; step() waits for them all before updating. The
+ranks then meet once per step instead of once per layer, with the same numbers.
 
 With gradient accumulation the gradient is a running sum over micro-batches. "every" allreduces
 it after each micro-batch (PyTorch DDP's default): the part summed before is already the same on
@@ -11,6 +14,7 @@ every rank, so the mean of the sums adds just the mean of the new micro-batch's 
 
 from __future__ import annotations
 
+from ..comm import Request
 from .single import Single
 
 
@@ -19,7 +23,25 @@ class DataParallel(Single):
 
     name = "dp"
 
+    def __init__(self, model, optimizer, comm, ledger, **levers) -> None:
+        super().__init__(model, optimizer, comm, ledger, **levers)
+        self.reducing: list[Request] = []  # the allreduces in flight, one per layer
+
     def reduce_grads(self, layer) -> None:
         self.land_grad(layer)
         if self.reducing_now:
-            self.comm.allreduce_mean(self.grads[layer.name])
+            self.reducing.append(self.comm.iallreduce_mean(self.grads[layer.name]))
+
+    def finish_reductions(self) -> None:
+        """Wait for every allreduce in flight: the gradients are the means from here on."""
+        for request in self.reducing:
+            request.wait()
+        self.reducing.clear()
+
+    def begin_micro_batch(self, micro: int) -> None:
+        self.finish_reductions()  # the next backward adds to these gradients
+        super().begin_micro_batch(micro)
+
+    def step(self) -> None:
+        self.finish_reductions()
+        super().step()
