@@ -30,11 +30,14 @@ class MemoryLedger:
         # when recording: (event, live total) at every hold, free and mark
         self.timeline: list[tuple[str, int]] | None = None
 
-    def alloc(self, category: str, shape, label: str, dtype=np.float32) -> np.ndarray:
-        """A zeroed array, counted under `category` until `free(label)`."""
+    def alloc(
+        self, category: str, shape, label: str, dtype=np.float32, zeroed: bool = True
+    ) -> np.ndarray:
+        """An array counted under `category` until `free(label)`: zeroed, or left unfilled
+        for a caller that overwrites it at once (one pass over memory fewer)."""
         count = shape if isinstance(shape, int) else math.prod(shape)
         self.hold(category, label, int(count) * np.dtype(dtype).itemsize)
-        return np.zeros(shape, dtype=dtype)
+        return np.zeros(shape, dtype=dtype) if zeroed else np.empty(shape, dtype=dtype)
 
     def hold(self, category: str, label: str, nbytes: int) -> None:
         """Count `nbytes` of an array allocated elsewhere (e.g. activations) until `free(label)`."""

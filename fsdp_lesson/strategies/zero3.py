@@ -99,19 +99,11 @@ class ZeRO3(Strategy):
 
     # --- gather and free a unit's full parameters ---------------------------------------
 
-    def _unfilled(self, label: str, numel: int) -> np.ndarray:
-        """A unit's transient full buffer, counted by the ledger until freed; not zeroed.
-
-        Its writer (the allgather, backward) fills it at once, so the ledger's zeroing
-        would be one more pass over memory per unit and step, for nothing.
-        """
-        self.ledger.hold("buffers", label, numel * np.dtype(self.dtype).itemsize)
-        return np.empty(numel, dtype=self.dtype)
-
     def _gather(self, u: int, blocking: bool) -> None:
         """Allocate unit u's full buffer (counted) and allgather into it, or start to."""
         unit = self.units[u]
-        full = self._unfilled(f"{unit.name} gathered", unit.flat.padded_numel)
+        label = f"{unit.name} gathered"  # not zeroed: the allgather fills it
+        full = self.ledger.alloc("buffers", unit.flat.padded_numel, label, self.dtype, zeroed=False)
         shard = self.param_shards[unit.name]
         if blocking:
             start = time.perf_counter()
@@ -185,7 +177,8 @@ class ZeRO3(Strategy):
         u = self.unit_of[layer.name]
         unit = self.units[u]
         if u not in self.full_grads:
-            full = self._unfilled(f"{unit.name} full grad", unit.flat.padded_numel)
+            label, numel = f"{unit.name} full grad", unit.flat.padded_numel
+            full = self.ledger.alloc("buffers", numel, label, self.dtype, zeroed=False)
             full[unit.flat.numel :] = 0  # backward writes all but the padding
             self.full_grads[u] = full
         target = unit.views(self.full_grads[u])[layer.name]
