@@ -685,10 +685,13 @@ def lever_bars(
             bottom += heights
         lines.append((formula[label], xs[0] - 0.45, xs[-1] + 0.45))
         ticks += list(xs)
-        labels += [f"{label}\nrank 0" if r == 0 else str(r) for r in range(len(per_rank))]
+        labels += [str(r) for r in range(len(per_rank))]
+        ax.text(xs.mean(), -0.1, label, transform=ax.get_xaxis_transform(), ha="center",
+                va="top", fontsize=8)  # fmt: skip
         x += len(per_rank) + 1
     ax.hlines(*zip(*lines, strict=True), colors="black", linestyles="--", label="formula")
     ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_xlabel("rank (configuration below)", labelpad=22)
     return _finish(fig, ax, "peak kB per rank", "memory per rank by lever (ledger peaks)")
 
 
