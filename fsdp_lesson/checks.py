@@ -120,3 +120,35 @@ def verdict(name: str, per_rank: list, hint: str, atol: float = 1e-6) -> bool:
                 return False
     print(f"✓ {name}: correct on all {len(per_rank)} ranks")
     return True
+
+
+def check_bytes(name: str, cases: dict, categories=("params", "grads", "optimizer")) -> bool:
+    """Compare answers with ledgers: cases maps a configuration to (answer, [ledger per rank]).
+
+    Prints `✓ name: correct` or, for each wrong category, which configuration, rank and
+    category differs and by how many bytes; a placeholder answer prints NOT_SOLVED.
+    """
+    if any(not_solved(answer) for answer, _ in cases.values()):
+        print(f"✗ {name}: {NOT_SOLVED}")
+        return False
+    wrong = [
+        f"  {config} rank {r} {category}: yours {answer.get(category)!r}, the ledger "
+        f"{ledger[category]:,}" + _off_by(answer.get(category), ledger[category])
+        for config, (answer, ledgers) in cases.items()
+        for r, ledger in enumerate(ledgers)
+        for category in categories
+        if answer.get(category) != ledger[category]
+    ]
+    if wrong:
+        print(f"✗ {name}: {len(wrong)} of the ledger's figures differ", *wrong[:8], sep="\n")
+        return False
+    print(f"✓ {name}: correct — every category of every rank's ledger")
+    return True
+
+
+def _off_by(yours, ledger: int) -> str:
+    """' (N bytes too many/few)' when yours is a number, else nothing."""
+    if not isinstance(yours, (int, float, np.integer, np.floating)):
+        return ""
+    diff = yours - ledger
+    return f" ({abs(diff):,} bytes too {'many' if diff > 0 else 'few'})"

@@ -654,3 +654,56 @@ def ring_steps(n: int = 4, values: list | None = None) -> Figure:
     fig.suptitle(f"ring allreduce on {n} ranks = reduce-scatter + allgather", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+LEVER_PARTS = ("params", "grads", "master", "m, v", "buffers", "activations")
+LEVER_COLORS = dict(CATEGORY_COLORS, master="#937860", **{"m, v": CATEGORY_COLORS["optimizer"]})
+
+
+def split_master(peak: dict, mixed: bool) -> dict:
+    """A ledger's peaks with the optimizer category split: with Adam in mixed precision the
+    fp32 master, m and v are the same size, so the master is a third of it (fp32: none)."""
+    master = peak["optimizer"] // 3 if mixed else 0
+    return {**peak, "master": master, "m, v": peak["optimizer"] - master}
+
+
+def lever_bars(
+    peaks: dict[str, list[dict]], mixed: dict[str, bool], formula: dict[str, float]
+) -> Figure:
+    """One stacked bar per configuration and rank (LEVER_PARTS), the formula's total as a
+    dashed line over each configuration's ranks."""
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * sum(map(len, peaks.values()))), 4))
+    x, ticks, labels, lines = 0, [], [], []
+    for group, (label, per_rank) in enumerate(peaks.items()):
+        xs = x + np.arange(len(per_rank))
+        parts = [split_master(peak, mixed[label]) for peak in per_rank]
+        bottom = np.zeros(len(per_rank))
+        for part in LEVER_PARTS:
+            heights = np.array([p[part] for p in parts], dtype=float)
+            ax.bar(xs, heights, 0.8, bottom, color=LEVER_COLORS[part],
+                   label=part if group == 0 else None)  # fmt: skip
+            bottom += heights
+        lines.append((formula[label], xs[0] - 0.45, xs[-1] + 0.45))
+        ticks += list(xs)
+        labels += [str(r) for r in range(len(per_rank))]
+        ax.text(xs.mean(), -0.1, label, transform=ax.get_xaxis_transform(), ha="center",
+                va="top", fontsize=8)  # fmt: skip
+        x += len(per_rank) + 1
+    ax.hlines(*zip(*lines, strict=True), colors="black", linestyles="--", label="formula")
+    ax.set_xticks(ticks, labels, fontsize=7)
+    ax.set_xlabel("rank (configuration below)", labelpad=22)
+    return _finish(fig, ax, "peak kB per rank", "memory per rank by lever (ledger peaks)")
+
+
+def activation_vs_batch(
+    micro_batches: list[int], measured: dict[str, list[int]], predicted: dict[str, list[int]]
+) -> Figure:
+    """Activation peak per micro-batch size: measured as markers, predicted as lines."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (label, values) in enumerate(measured.items()):
+        color = plt.cm.tab10(i)
+        ax.plot(micro_batches, predicted[label], "-", color=color, label=f"{label}: predicted")
+        ax.plot(micro_batches, values, "o", color=color, label=f"{label}: measured")
+    ax.set_xlabel("micro-batch (rows per rank)")
+    ax.set_xticks(micro_batches)
+    return _finish(fig, ax, "activation peak kB per rank", "activations vs batch size")

@@ -136,3 +136,17 @@ def test_verdict_names_the_rank_and_what_differs(capsys):
     assert "shape (2,), expected (3,)" in capsys.readouterr().out
     assert not verdict("x", [[("shard", None, np.ones(3))]], "h")
     assert "not solved yet" in capsys.readouterr().out
+
+
+def test_check_bytes_names_the_configuration_rank_category_and_difference(capsys):
+    from fsdp_lesson.checks import NOT_SOLVED, check_bytes
+
+    ledger = dict(params=100, grads=100, optimizer=600)
+    assert check_bytes("bytes", {"bf16": (dict(ledger), [ledger] * 2)})
+    assert capsys.readouterr().out == "✓ bytes: correct — every category of every rank's ledger\n"
+    assert not check_bytes("bytes", {"bf16": (dict(ledger, optimizer=400), [ledger] * 2)})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "✗ bytes: 2 of the ledger's figures differ"
+    assert out[1] == "  bf16 rank 0 optimizer: yours 400, the ledger 600 (200 bytes too few)"
+    assert not check_bytes("bytes", {"bf16": (None, [ledger])})
+    assert capsys.readouterr().out == f"✗ bytes: {NOT_SOLVED}\n"

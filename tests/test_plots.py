@@ -283,3 +283,31 @@ def test_ring_steps_sums_then_spreads_every_chunk():
     assert with_numbers.axes[0].texts[5].get_text() == "2"  # rank 1's chunk 1
     assert "value" in with_numbers.axes[-1].texts[0].get_text()  # the legend says what they are
     fig.canvas.draw()
+
+
+def test_lever_bars_split_the_master_out_of_the_optimizer_state():
+    from fsdp_lesson.plots import LEVER_PARTS, lever_bars
+
+    peak = dict(params=200, grads=200, optimizer=1200, activations=50, buffers=10)
+    peaks, mixed = {"fp32": [peak] * 2, "bf16": [peak] * 2}, {"fp32": False, "bf16": True}
+    fig = lever_bars(peaks, mixed, formula={"fp32": 1600, "bf16": 1600})
+    heights = [r.get_height() for r in bars(fig)]
+    assert len(heights) == len(LEVER_PARTS) * 4
+    master = LEVER_PARTS.index("master") * 2  # bars go configuration, part, rank
+    per_config = len(LEVER_PARTS) * 2
+    assert heights[master : master + 2] == [0, 0]  # fp32 has no master copy
+    assert heights[per_config + master : per_config + master + 2] == [400, 400]  # a third
+    tops = {r.get_x(): r.get_y() + r.get_height() for r in bars(fig)}
+    assert set(tops.values()) == {1660}  # splitting moves no byte
+    (line,) = fig.axes[0].collections
+    assert [s[0][1] for s in line.get_segments()] == [1600, 1600]
+    fig.canvas.draw()
+
+
+def test_activation_vs_batch_draws_measured_points_on_predicted_lines():
+    from fsdp_lesson.plots import activation_vs_batch
+
+    fig = activation_vs_batch([8, 16], {"plain": [10, 20]}, {"plain": [10, 20]})
+    lines = fig.axes[0].get_lines()
+    assert [list(line.get_ydata()) for line in lines] == [[10, 20], [10, 20]]
+    fig.canvas.draw()
