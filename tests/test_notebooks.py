@@ -2,11 +2,14 @@
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # What makes an output vary from run to run, as code: time, progress lines, process ids,
 # tracemalloc and RSS, %px/%%px (engine order), subprocesses, which rank answers first, the
 # cluster's address, long float32 training (its last digits depend on the CPU's kernels),
@@ -36,3 +39,12 @@ def test_every_ignored_cell_is_volatile_and_says_why(name, index, source):
     assert "getsource" not in source, "printed source is deterministic: nbval must compare it"
     code = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
     assert VOLATILE.search(code), "nothing in this cell varies from run to run"
+
+
+def test_notebooks_are_ruff_clean():
+    """The notebooks' code is held to the package's lint rules (pyproject.toml)."""
+    ruff = Path(sys.executable).parent / "ruff"
+    result = subprocess.run(
+        [str(ruff), "check", "notebooks"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
