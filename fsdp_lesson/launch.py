@@ -23,7 +23,7 @@ RANK_ENV: dict[str, str] = {
     # mpi4py's default, said here because it is what lets a waiting rank give way: at
     # MPI_THREAD_MULTIPLE, MPICH's wait loop releases its lock and yields between polls; at
     # MPI_THREAD_SINGLE (the C programs' level) it spins, and 4 ranks on 2 cores ran 200 dp
-    # steps about 5x slower (benchmarks/bench_startup.py's notes, README "Speed").
+    # steps about 5x slower (README, "More ranks than cores").
     "MPI4PY_RC_THREAD_LEVEL": "multiple",
 }
 
