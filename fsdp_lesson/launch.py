@@ -1,10 +1,11 @@
 """The environment every rank of this project is launched with, and why: one place.
 
 The launchers (`make run/test/lab` through tools/lesson.py, the cluster `connect()` starts,
-tools/execute_notebooks.py) start ranks with `rank_env()`. Each setting must be in the
-environment before the rank's numpy or MPI loads (both read it once, at load), which is why
-it is set by whoever starts the process, not when this package is imported. A value the user
-already set wins.
+tools/execute_notebooks.py, the tests' mpiexec, and `python -m fsdp_lesson` for itself) start
+ranks with `rank_settings()` for the number of ranks they put on this machine. Each setting
+must be in the environment before the rank's numpy or MPI loads (both read it once, at load),
+which is why it is set by whoever starts the process, not when this package is imported. A
+value the user already set wins.
 """
 
 from __future__ import annotations
