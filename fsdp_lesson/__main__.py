@@ -15,13 +15,18 @@ import sys
 import time
 from pathlib import Path
 
-from .launch import RANK_ENV, end_every_rank_on_interrupt, launcher_rank_and_size
+from .launch import (
+    end_every_rank_on_interrupt,
+    launcher_rank_and_size,
+    rank_settings,
+    ranks_on_this_machine,
+)
 
 # A rank started by a plain `mpiexec -n 4 python -m fsdp_lesson train`: the launch settings
-# (one BLAS thread, ...) must be in place before numpy loads; a value the user set wins. And
-# one Ctrl-C ends it at once, even while it is still loading.
-for _name, _value in RANK_ENV.items():
-    os.environ.setdefault(_name, _value)
+# (one BLAS thread, waiting ranks that sleep when there are more ranks than cores, ...) must be
+# in place before numpy and MPI load; a value the user set wins. And one Ctrl-C ends it at
+# once, even while it is still loading.
+os.environ.update(rank_settings(ranks_here=ranks_on_this_machine()))
 end_every_rank_on_interrupt(launcher_rank_and_size()[0])
 
 try:  # numpy, and the package's modules below, load only after the settings above

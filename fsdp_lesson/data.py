@@ -19,6 +19,7 @@ ALPHABET = BOUNDARY + "abcdefghijklmnopqrstuvwxyz"  # token t is ALPHABET[t]
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "names.txt"
 NAMES_SHA256 = "3b20b43df36ec7ee9c90f8ea2c6f1a5310ad2a8608b06f5208edbbf544f26c35"
 TRAIN_FRACTION = np.float32(0.9)
+NAME_FILE_CHARS = frozenset(ALPHABET[1:] + "\n\r")  # what a valid names file is made of
 
 
 class DataError(ValueError):
@@ -44,10 +45,18 @@ def load_names(path: str | os.PathLike = DEFAULT_PATH, max_len: int = 15) -> lis
         raise DataError(f"{path} is a directory; --data wants a names file, one name per line")
     if not path.is_file():  # a FIFO or a device would be read forever, or block
         raise DataError(f"{path} is not a regular file; --data wants a names file")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    lines = text.removeprefix("\ufeff").splitlines()  # a byte-order mark is dropped; \n or \r\n
+    text = path.read_text(encoding="utf-8", errors="replace").removeprefix("\ufeff")
+    lines = text.splitlines()  # a byte-order mark is dropped; \n or \r\n
     if not lines:
         raise DataError(f"{path} is empty; it needs one name per line (letters a-z)")
+    letters_only = set(text) <= NAME_FILE_CHARS  # one pass in C over the usual, valid file
+    if not (letters_only and "" not in lines and max(map(len, lines)) <= max_len):
+        refuse_bad_line(path, lines, max_len)
+    return lines
+
+
+def refuse_bad_line(path: Path, lines: list[str], max_len: int) -> None:
+    """Raise a DataError naming the first line that is not 1..max_len letters a-z."""
     for number, name in enumerate(lines, start=1):
         where = f"{path}, line {number}"
         if not name:
@@ -62,7 +71,6 @@ def load_names(path: str | os.PathLike = DEFAULT_PATH, max_len: int = 15) -> lis
                 f"{where}: {name!r} has {len(name)} letters; names may have at most {max_len} "
                 f"(seq_len - 1) letters: remove it or raise seq_len"
             )
-    return lines
 
 
 def build_rows(names: list[str], seq_len: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -78,9 +86,10 @@ def build_rows(names: list[str], seq_len: int = 16) -> tuple[np.ndarray, np.ndar
     # Row s of a name (s = 0..L) is `full` shifted right by s: its first L + 1 - s tokens.
     padded = np.concatenate([np.zeros((len(names), width - 1), np.uint8), full], axis=1)
     windows = np.lib.stride_tricks.sliding_window_view(padded, width, axis=1)  # (n, width, width)
-    lengths = [len(name) for name in names]
-    row_name = np.repeat(np.arange(len(names)), np.add(lengths, 1))
-    row_shift = np.concatenate([np.arange(length + 1) for length in lengths])
+    rows_per_name = np.fromiter(map(len, names), dtype=np.intp, count=len(names)) + 1
+    row_name = np.repeat(np.arange(len(names)), rows_per_name)
+    first_row = np.cumsum(rows_per_name) - rows_per_name  # each name's first row
+    row_shift = np.arange(len(row_name)) - first_row[row_name]  # 0..L within each name
     rows = windows[row_name, width - 1 - row_shift]  # (n_rows, width)
     return np.ascontiguousarray(rows[:, :seq_len]), rows[:, seq_len].copy()
 

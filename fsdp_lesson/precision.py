@@ -18,20 +18,22 @@ float32's exponent range and needs no scaling.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-DTYPES = {
-    "fp32": np.dtype(np.float32),
-    "bf16": np.dtype(ml_dtypes.bfloat16),
-    "fp16": np.dtype(np.float16),
-}
 
 
 def dtype_of(precision: str) -> np.dtype:
-    """The dtype of parameters and gradients (and of what collectives move) at `precision`."""
-    return DTYPES[precision]
+    """The dtype of parameters and gradients (and of what collectives move) at `precision`.
+
+    ml_dtypes is imported only for bf16: loading it takes most of a second, longer than the
+    rest of a run's start-up (benchmarks/bench_startup.py).
+    """
+    if precision == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype({"fp32": np.float32, "fp16": np.float16}[precision])
 
 
 def is_16bit(dtype: np.dtype) -> bool:

@@ -7,18 +7,25 @@ from pathlib import Path
 
 import numpy as np
 
+from fsdp_lesson.launch import rank_env
+
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")  # the mpich wheel's, beside this Python
 
 
 def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `mpiexec -n n python ARGS` from the repository with a timeout; never hangs a test."""
+    """Run `mpiexec -n n python ARGS` from the repository with a timeout; never hangs a test.
+
+    The ranks get the project's launch settings for n ranks (fsdp_lesson/launch.py): with more
+    ranks than cores, waiting ranks sleep instead of taking the cores from the working ones.
+    """
     return subprocess.run(
         [MPIEXEC, "-n", str(n), sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=rank_env(ranks_here=n),
     )
 
 

@@ -31,11 +31,21 @@ START_TIMEOUT = 120  # seconds for the engines to register
 def mpi_cluster(n: int = N_ENGINES):
     """Start `ipcluster --engines=MPI -n n` (profile default), yield, and always stop it."""
     import ipyparallel as ipp
+    from traitlets.config import Config
 
     from fsdp_lesson.cluster import stop_cluster
 
-    # cluster_id "" is what `ipcluster start` uses: the notebooks' connect() finds this one
-    cluster = ipp.Cluster(n=n, engines="mpi", profile="default", cluster_id="", log_level=40)
+    # cluster_id "" is what `ipcluster start` uses: the notebooks' connect() finds this one;
+    # its engines get the settings of n ranks on this machine (fsdp_lesson/launch.py)
+    environment = {"MPILauncher": {"environment": rank_settings(ranks_here=n)}}
+    cluster = ipp.Cluster(
+        n=n,
+        engines="mpi",
+        profile="default",
+        cluster_id="",
+        log_level=40,
+        config=Config(environment),
+    )
     print(f"starting a local cluster of {n} MPI engines ...", flush=True)
     try:
         cluster.start_cluster_sync()
