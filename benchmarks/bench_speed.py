@@ -222,7 +222,12 @@ def worker_rows(n: int, kind: str, steps: int) -> list[dict]:
     """Run worker(kind, steps) on n ranks; its JSON rows."""
     command = launch(n, __file__, "--worker", kind, "--steps", str(steps))
     out = subprocess.run(
-        command, capture_output=True, text=True, timeout=1800, check=True, env=rank_env()
+        command,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+        env=rank_env(ranks_here=n),
     )
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 

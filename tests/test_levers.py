@@ -4,7 +4,6 @@ paper's accounting and the planner (tests/levers_worker.py runs them)."""
 
 import math
 import pickle
-import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -25,9 +24,9 @@ from fsdp_lesson.train import levers, train_step, zero3_options
 
 sys.path.insert(0, str(Path(__file__).parent))
 from levers_worker import master_params  # noqa: E402
+from mpi_helpers import mpiexec  # noqa: E402
 
 HERE = Path(__file__).parent
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 OPTIONS = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")
 
 
@@ -35,13 +34,7 @@ OPTIONS = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")
 def world(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"levers{n}") / "results.pkl"
-    result = subprocess.run(
-        [MPIEXEC, "-n", str(n), sys.executable, str(HERE / "levers_worker.py"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=HERE.parent,
-    )
+    result = mpiexec(n, str(HERE / "levers_worker.py"), str(out), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return n, pickle.loads(out.read_bytes())
 
