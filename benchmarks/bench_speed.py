@@ -188,7 +188,7 @@ def worker(kind: str, steps: int) -> None:
             print(json.dumps(row), flush=True)
 
 
-def _busy_seconds() -> float:
+def busy_seconds() -> float:
     """CPU seconds all processes of the machine have used (Linux /proc/stat)."""
     with open("/proc/stat") as f:
         fields = f.readline().split()[1:9]
@@ -196,7 +196,7 @@ def _busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _children_seconds() -> float:
+def children_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
@@ -204,10 +204,10 @@ def _children_seconds() -> float:
 def timed(command: list[str], tries: int = 3, timeout: float = 900) -> tuple[float, bool]:
     """Whole-process seconds of command, and whether other processes slowed even the last try."""
     for _ in range(tries):
-        busy, mine, start = _busy_seconds(), _children_seconds(), time.perf_counter()
+        busy, mine, start = busy_seconds(), children_seconds(), time.perf_counter()
         subprocess.run(command, check=True, capture_output=True, timeout=timeout, cwd=ROOT)
         seconds = time.perf_counter() - start
-        foreign = (_busy_seconds() - busy) - (_children_seconds() - mine)
+        foreign = (busy_seconds() - busy) - (children_seconds() - mine)
         if foreign / seconds < FOREIGN_LIMIT:
             return seconds, False
     return seconds, True

@@ -16,13 +16,14 @@ Every run is shown with the cores other processes used meanwhile (the machine is
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_speed import busy_seconds, children_seconds  # this folder's neighbour
 
 from fsdp_lesson.launch import rank_env
 
@@ -32,20 +33,6 @@ BARE = ["-c", "import numpy; from mpi4py import MPI"]
 CLI = ["-m", "fsdp_lesson", "train", "--strategy", "zero3", "--steps", "0"]
 CLI += ["--eval-batches", "1", "--samples", "0"]
 GOAL_SECONDS = 0.3
-
-
-def busy_seconds() -> float:
-    """CPU seconds every process of the machine has used so far (Linux /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()[1:9]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields)
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def children_seconds() -> float:
-    """CPU seconds this process's finished children have used."""
-    times = os.times()
-    return times.children_user + times.children_system
 
 
 def timed(ranks: int, args: list[str]) -> tuple[float, float]:
