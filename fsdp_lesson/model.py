@@ -120,6 +120,7 @@ class MLP:
             if layer.shapes or not self.blocks:
                 self.blocks.append([])
             self.blocks[-1].append(layer)
+        self.block_inputs = {block[0].name for block in self.blocks}  # what --recompute keeps
 
     @property
     def num_params(self) -> int:

@@ -34,13 +34,12 @@ def forward(
 ):
     """Run every layer on x; return the logits. With acts, keep what backward will need:
     every layer's cache, or with recompute only each block's input (the first layer's cache)."""
-    block_inputs = {block[0].name for block in model.blocks}
     for layer in model.layers:
         p = strategy.materialize(layer)
         x, cache = layer.forward(p, x)
         if acts is not None:
             acts.push(layer.name, cache)
-            if recompute and layer.name not in block_inputs:
+            if recompute and layer.name not in model.block_inputs:
                 acts.drop()  # backward computes it again from the block's input
         strategy.release(layer)
     return x
