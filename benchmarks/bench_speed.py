@@ -227,7 +227,7 @@ def worker_rows(n: int, kind: str, steps: int) -> list[dict]:
         text=True,
         timeout=1800,
         check=True,
-        env=rank_env(ranks_here=n),
+        env=rank_env(),
     )
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 

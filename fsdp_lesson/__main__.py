@@ -19,14 +19,13 @@ from .launch import (
     end_every_rank_on_interrupt,
     launcher_rank_and_size,
     rank_settings,
-    ranks_on_this_machine,
 )
 
 # A rank started by a plain `mpiexec -n 4 python -m fsdp_lesson train`: the launch settings
-# (one BLAS thread, waiting ranks that sleep when there are more ranks than cores, ...) must be
-# in place before numpy and MPI load; a value the user set wins. And one Ctrl-C ends it at
-# once, even while it is still loading.
-os.environ.update(rank_settings(ranks_here=ranks_on_this_machine()))
+# (one BLAS thread, waiting ranks that yield their core) must be in place before numpy and MPI
+# load; a value the user set wins. And one Ctrl-C ends it at once, even while it is still
+# loading.
+os.environ.update(rank_settings())
 end_every_rank_on_interrupt(launcher_rank_and_size()[0])
 
 try:  # numpy, and the package's modules below, load only after the settings above

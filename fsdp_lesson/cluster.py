@@ -187,13 +187,12 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
             profile=profile,
             shutdown_atexit=True,
             log=_log,
-            # the engines start with the environment of n ranks on this machine (launch.py),
-            # as under make run
+            # the engines start with the ranks' launch settings (launch.py), as under make run
             config=Config(
                 {
                     "MPILauncher": {
                         "mpi_cmd": [_mpiexec()],
-                        "environment": rank_settings(ranks_here=n),
+                        "environment": rank_settings(),
                     }
                 }
             ),

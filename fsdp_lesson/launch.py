@@ -2,10 +2,9 @@
 
 The launchers (`make run/test/lab` through tools/lesson.py, the cluster `connect()` starts,
 tools/execute_notebooks.py, the tests' mpiexec, and `python -m fsdp_lesson` for itself) start
-ranks with `rank_settings()` for the number of ranks they put on this machine. Each setting
-must be in the environment before the rank's numpy or MPI loads (both read it once, at load),
-which is why it is set by whoever starts the process, not when this package is imported. A
-value the user already set wins.
+ranks with `rank_settings()`. Each setting must be in the environment before the rank's numpy
+or MPI loads (both read it once, at load), which is why it is set by whoever starts the
+process, not when this package is imported. A value the user already set wins.
 """
 
 from __future__ import annotations
@@ -21,43 +20,25 @@ RANK_ENV: dict[str, str] = {
     "OPENBLAS_NUM_THREADS": "1",
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
-    # mpi4py's default, said here because it is what lets a waiting rank give way: at
-    # MPI_THREAD_MULTIPLE, MPICH's wait loop releases its lock and yields between polls; at
-    # MPI_THREAD_SINGLE (the C programs' level) it spins, and 4 ranks on 2 cores ran 200 dp
-    # steps about 5x slower (README, "More ranks than cores").
+    # mpi4py's default, said here because it is what lets a waiting rank give way when there
+    # are more ranks than cores (4 ranks on a 2-core laptop, `make test`'s 4 engines): at
+    # MPI_THREAD_MULTIPLE, MPICH's wait loop releases its lock and yields the core between
+    # polls; at MPI_THREAD_SINGLE (the C programs' level) it spins. MPICH's heavy yield
+    # (MPIR_CVAR_ENABLE_HEAVY_YIELD=1, a ~50 us sleep per poll) is left off: it made 4 ranks on
+    # 2 cores 2.4x slower on a quiet machine (benchmarks/bench_oversubscribed.py measures all
+    # three; README, "More ranks than cores").
     "MPI4PY_RC_THREAD_LEVEL": "multiple",
 }
 
-# More ranks than cores (a laptop classroom, `make test`'s 4 engines on 2 cores): a waiting
-# rank's yields still keep it runnable, so it takes its share of a core from a rank with work.
-# With heavy yield it sleeps instead (nanosleep, about 50 us: the kernel's timer slack) and the
-# ranks with work get the cores. Only then: each sleep can add that much to a message's
-# latency, which a rank with a core of its own need not pay.
-OVERSUBSCRIBED_ENV: dict[str, str] = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+
+def rank_settings(base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The launch settings of a rank: base's value where base has one."""
+    return {name: base.get(name, value) for name, value in RANK_ENV.items()}
 
 
-def oversubscribed(ranks_here: int) -> bool:
-    """Whether ranks_here ranks on this machine are more than its cores."""
-    return ranks_here > (os.cpu_count() or 1)
-
-
-def rank_settings(base: Mapping[str, str] = os.environ, ranks_here: int = 1) -> dict[str, str]:
-    """The launch settings for ranks_here ranks on this machine: base's value where base has one."""
-    wanted = RANK_ENV | (OVERSUBSCRIBED_ENV if oversubscribed(ranks_here) else {})
-    return {name: base.get(name, value) for name, value in wanted.items()}
-
-
-def rank_env(base: Mapping[str, str] = os.environ, ranks_here: int = 1) -> dict[str, str]:
-    """The whole environment to launch ranks_here ranks with: base plus rank_settings()."""
-    return {**base, **rank_settings(base, ranks_here)}
-
-
-def ranks_on_this_machine() -> int:
-    """How many ranks of this job the MPI launcher started on this machine (1 without one)."""
-    for local_size in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):  # MPICH, Open MPI
-        if local_size in os.environ:
-            return int(os.environ[local_size])
-    return launcher_rank_and_size()[1]
+def rank_env(base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The whole environment to launch ranks with: base plus rank_settings()."""
+    return {**base, **rank_settings(base)}
 
 
 def launcher_rank_and_size() -> tuple[int, int]:

@@ -16,8 +16,8 @@ MPIEXEC = str(Path(sys.executable).parent / "mpiexec")  # the mpich wheel's, bes
 def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `mpiexec -n n python ARGS` from the repository with a timeout; never hangs a test.
 
-    The ranks get the project's launch settings for n ranks (fsdp_lesson/launch.py): with more
-    ranks than cores, waiting ranks sleep instead of taking the cores from the working ones.
+    The ranks get the project's launch settings (fsdp_lesson/launch.py): with more ranks than
+    cores, a waiting rank yields its core to the working ones.
     """
     return subprocess.run(
         [MPIEXEC, "-n", str(n), sys.executable, *args],
@@ -25,7 +25,7 @@ def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedPro
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env=rank_env(ranks_here=n),
+        env=rank_env(),
     )
 
 

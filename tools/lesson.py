@@ -36,8 +36,8 @@ def mpi_cluster(n: int = N_ENGINES):
     from fsdp_lesson.cluster import stop_cluster
 
     # cluster_id "" is what `ipcluster start` uses: the notebooks' connect() finds this one;
-    # its engines get the settings of n ranks on this machine (fsdp_lesson/launch.py)
-    environment = {"MPILauncher": {"environment": rank_settings(ranks_here=n)}}
+    # its engines get the ranks' launch settings (fsdp_lesson/launch.py)
+    environment = {"MPILauncher": {"environment": rank_settings()}}
     cluster = ipp.Cluster(
         n=n,
         engines="mpi",
