@@ -227,14 +227,14 @@ class Comm:
 
     def iallgather(self, shard: np.ndarray, full: np.ndarray) -> Request:
         """Start full <- every rank's shard (MPI_Iallgather); the Request's wait() completes it."""
-        if self.ring is not None or self.mpi is None or full.size == 0:
+        if self.ring is not None or self.size == 1 or full.size == 0:
             return Request.done(self, lambda: self.allgather(shard, full))
         started = self.mpi.Iallgather(on_wire(shard), on_wire(full))
         return Request(self, "allgather", full.nbytes, started, None)
 
     def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> Request:
         """Start shard <- this rank's slice of the mean of `full` (MPI_Ireduce_scatter_block)."""
-        if self.ring is not None or self.mpi is None or full.size == 0 or full.dtype.itemsize == 2:
+        if self.ring is not None or self.size == 1 or full.size == 0 or full.dtype.itemsize == 2:
             return Request.done(self, lambda: self.reduce_scatter_mean(full, shard))
         started = self.mpi.Ireduce_scatter_block(full, shard, op=self.MPI.SUM)
         return Request(self, "reduce_scatter", full.nbytes, started, shard)

@@ -14,6 +14,7 @@ Bigger units mean fewer, larger collectives and more memory gathered at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -31,11 +32,20 @@ class Unit:
 
     def views(self, full: np.ndarray) -> dict[str, Params]:
         """Each layer's parameters as shaped views into the unit's full flat buffer."""
-        out: dict[str, Params] = {layer: {} for layer in self.layers}
-        for key, view in self.flat.views(full).items():
+        return {
+            layer: {name: full[start:stop].reshape(shape) for name, start, stop, shape in spans}
+            for layer, spans in self.layer_spans.items()
+        }
+
+    @cached_property
+    def layer_spans(self) -> dict[str, list[tuple[str, int, int, tuple[int, ...]]]]:
+        """Each layer's (param, start, stop, shape) in the flat vector: worked out once, since
+        zero3 takes views at every gather."""
+        spans: dict[str, list] = {layer: [] for layer in self.layers}
+        for key, start, stop, shape in self.flat.spans:
             layer, name = key.rsplit(".", 1)
-            out[layer][name] = view
-        return out
+            spans[layer].append((name, start, stop, shape))
+        return spans
 
 
 def make_units(layers: list, layers_per_unit: int, world_size: int) -> list[Unit]:
