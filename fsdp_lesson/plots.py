@@ -69,7 +69,7 @@ def _finish(fig: Figure, ax: Axes, ylabel: str, title: str) -> Figure:
 def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None = None) -> Figure:
     """For each label, one stacked bar per rank (bytes by category); formula totals as lines."""
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * sum(map(len, reports.values()))), 3.8))
-    x, ticks, labels, lines = 0, [], [], []  # lines: (total, from x, to x) of each formula
+    x, ticks, labels, lines, groups = 0, [], [], [], []  # lines: (total, from x, to x)
     for group, (label, per_rank) in enumerate(reports.items()):
         xs = x + np.arange(len(per_rank))
         bottom = np.zeros(len(per_rank))
@@ -81,11 +81,16 @@ def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None 
         if formula and label in formula:
             lines.append((sum(formula[label].values()), xs[0] - 0.45, xs[-1] + 0.45))
         ticks += list(xs)
-        labels += [f"{label}\nrank {r}" if r == 0 else f"rank {r}" for r in range(len(per_rank))]
+        labels += [f"r{r}" for r in range(len(per_rank))]
+        groups.append(((xs[0] + xs[-1]) / 2, label))
         x += len(per_rank) + 1
     if lines:
         ax.hlines(*zip(*lines, strict=True), colors="black", linestyles="--", label="formula")
-    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_xticks(ticks, labels, fontsize=8)  # r0, r1, ...: each bar's rank
+    names = ax.secondary_xaxis("bottom")  # and each group's label, centred below its bars
+    names.set_xticks(*zip(*groups, strict=True))
+    names.tick_params(length=0, pad=16)
+    names.spines["bottom"].set_visible(False)
     return _finish(fig, ax, "peak kB per rank", "memory per rank by category (ledger peaks)")
 
 
