@@ -77,10 +77,22 @@ def _mpiexec() -> str:
     return shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
-def _rank_and_size() -> tuple[int, int]:
-    """Runs on an engine: its place in MPI.COMM_WORLD."""
-    from mpi4py import MPI
+def _prepare_engine() -> tuple[int, int]:
+    """Runs on an engine as connect() finds it: its BLAS threads set as every launch sets them
+    (launch.py), and its place in MPI.COMM_WORLD.
 
+    A cluster started by hand (`ipcluster start`) lacks the launch settings, so each engine's
+    BLAS uses a thread per core: 4 engines on 2 cores ran notebook 07 3.2x slower. The engine
+    may have loaded numpy already, so the limit goes through threadpoolctl (on the library
+    numpy loads); a value the user set wins.
+    """
+    import numpy  # noqa: F401  (loads the BLAS library whose threads are limited here)
+    from mpi4py import MPI
+    from threadpoolctl import threadpool_limits
+
+    from fsdp_lesson.launch import rank_settings
+
+    threadpool_limits(int(rank_settings()["OPENBLAS_NUM_THREADS"]))
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
@@ -93,7 +105,7 @@ def _ids_in_rank_order(client: ipp.Client, n: int, timeout: float, fix: str) -> 
             f"{len(ids)}), or a cluster of exactly {n} engines. Fix: {fix}"
         )
     try:
-        worlds = client.direct_view(ids).apply_async(_rank_and_size).get(timeout=timeout)
+        worlds = client.direct_view(ids).apply_async(_prepare_engine).get(timeout=timeout)
     except Exception as err:
         raise ClusterError(
             f"Could not ask the engines for their MPI rank ({type(err).__name__}: {err}). "

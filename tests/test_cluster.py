@@ -17,6 +17,7 @@ import ipyparallel as ipp
 import pytest
 
 from fsdp_lesson.cluster import ClusterError, RankError, connect, report_progress
+from fsdp_lesson.launch import RANK_ENV
 
 # --- functions that run on the engines --------------------------------------------------------
 # @ipp.interactive sends them by value: the engines cannot import this test module.
@@ -27,6 +28,17 @@ def rank_and_size() -> tuple[int, int]:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+@ipp.interactive
+def blas_threads() -> tuple[str, list[int]]:
+    """The engine's OPENBLAS_NUM_THREADS, and the threads each BLAS library it loaded uses."""
+    import os
+
+    from threadpoolctl import threadpool_info
+
+    setting = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
+    return setting, [pool["num_threads"] for pool in threadpool_info()]
 
 
 @ipp.interactive
@@ -109,9 +121,14 @@ def ipcluster(n: int, engines: str, profile: str):
 
 @pytest.fixture(scope="module")
 def mpi_ipcluster():
-    """A 4-engine MPI cluster that someone else started."""
-    with ipcluster(4, "mpi", "external") as cluster:
-        yield cluster
+    """A 4-engine MPI cluster that someone else started: in a shell without the launch settings
+    (fsdp_lesson/launch.py) that make and connect() give their clusters."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in RANK_ENV:
+            mp.delenv(name, raising=False)
+        with ipcluster(4, "mpi", "external") as cluster:
+            mp.undo()  # the engines keep the environment they started with
+            yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +154,13 @@ def test_connect_uses_running_mpi_cluster(external):
     assert external.cluster is None  # not ours: close() must leave it running
     assert external.run(rank_and_size) == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert external.run(allreduce_rank_plus_one) == [[10.0, 10.0, 10.0]] * 4
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_connect_gives_a_cluster_started_by_hand_one_blas_thread_per_engine(external):
+    # numpy on 4 engines of 2 cores: the library's default is a BLAS thread per core
+    assert external.run(blas_threads) == [("unset", [1])] * 4
 
 
 @pytest.mark.cluster
