@@ -103,7 +103,7 @@ def run_tests(pytest_args: list[str]) -> int:
 
     The notebooks run twice (pytest --keep-duplicates): nbval must pass run after run, and the
     second run, against the same engines, catches state a notebook leaves behind. (A third run
-    found nothing the second did not and cost a fifth of make test.)
+    repeated those checks and cost a fifth of make test.)
     Paths among pytest_args replace the default selection.
     """
     prepare_environment()
