@@ -22,16 +22,13 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_speed import busy_seconds, children_seconds, load  # this folder's neighbour
+from bench_speed import load, measured_run  # this folder's neighbour
 
 from fsdp_lesson.launch import rank_env
 
-ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 WAYS = {
     "single": {"MPI4PY_RC_THREAD_LEVEL": "single", "MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"},
@@ -45,12 +42,7 @@ def timed(ranks: int, strategy: str, steps: int, way: str) -> tuple[float, float
     command = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "fsdp_lesson", "train"]
     command += ["--strategy", strategy, "--steps", str(steps), "--eval-batches", "1"]
     command += ["--samples", "0", "--log-every", "1000000"]
-    env = rank_env() | WAYS[way]
-    busy, mine, start = busy_seconds(), children_seconds(), time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True, timeout=900, cwd=ROOT, env=env)
-    seconds = time.perf_counter() - start
-    cpu = children_seconds() - mine
-    return seconds, cpu, max((busy_seconds() - busy) - cpu, 0.0) / seconds
+    return measured_run(command, env=rank_env() | WAYS[way])
 
 
 def cpu_name() -> str:

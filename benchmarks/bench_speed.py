@@ -201,14 +201,21 @@ def children_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def measured_run(
+    command: list[str], env: dict[str, str] | None = None, timeout: float = 900
+) -> tuple[float, float, float]:
+    """Run command once: its wall seconds, its CPU seconds, and the cores others used meanwhile."""
+    busy, mine, start = busy_seconds(), children_seconds(), time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True, timeout=timeout, cwd=ROOT, env=env)
+    seconds, cpu = time.perf_counter() - start, children_seconds() - mine
+    return seconds, cpu, max((busy_seconds() - busy) - cpu, 0.0) / seconds
+
+
 def timed(command: list[str], tries: int = 3, timeout: float = 900) -> tuple[float, bool]:
     """Whole-process seconds of command, and whether other processes slowed even the last try."""
     for _ in range(tries):
-        busy, mine, start = busy_seconds(), children_seconds(), time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, timeout=timeout, cwd=ROOT)
-        seconds = time.perf_counter() - start
-        foreign = (busy_seconds() - busy) - (children_seconds() - mine)
-        if foreign / seconds < FOREIGN_LIMIT:
+        seconds, _, others = measured_run(command, timeout=timeout)
+        if others < FOREIGN_LIMIT:
             return seconds, False
     return seconds, True
 

@@ -20,10 +20,9 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench_speed import busy_seconds, children_seconds  # this folder's neighbour
+from bench_speed import measured_run  # this folder's neighbour
 
 from fsdp_lesson.launch import rank_env
 
@@ -38,11 +37,8 @@ GOAL_SECONDS = 0.3
 def timed(ranks: int, args: list[str]) -> tuple[float, float]:
     """Whole-process seconds of `mpiexec -n ranks python ARGS`, and the cores others used."""
     command = [MPIEXEC, "-n", str(ranks), sys.executable, *args]
-    busy, mine, start = busy_seconds(), children_seconds(), time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True, timeout=300, cwd=ROOT, env=rank_env())
-    seconds = time.perf_counter() - start
-    foreign = (busy_seconds() - busy) - (children_seconds() - mine)
-    return seconds, max(foreign, 0.0) / seconds
+    seconds, _, others = measured_run(command, env=rank_env(), timeout=300)
+    return seconds, others
 
 
 def slowest_imports(ranks: int, top: int = 10) -> list[tuple[float, str]]:
