@@ -1,11 +1,18 @@
-"""Two one-line checks the notebooks use: compare arrays, and check an exercise's answer.
+"""The notebooks' checks: compare arrays, check an exercise's answer, check a claim of the prose.
 
-    compare("fc1.W", a, b)            fc1.W      exact | approx  max diff 3e-08 | DIFFERS ...
-    check("n_rows", answer, expected) ✓ n_rows: correct | ✗ n_rows: expected 5, got 4 — hint
+    compare("fc1.W", a, b)            fc1.W      equal within 1e-06 | bit-identical | DIFFERS ...
+    check("n_rows", answer, expected) ✓ n_rows: correct | ✗ n_rows: item 2 too small — hint
+    claim("zero3 < zero2", z3 < z2)   ✓ zero3 < zero2 | ✗ claim does not hold: zero3 < zero2
 
-Both print one line with deterministic text and return a bool; neither raises, so a wrong
-answer in a notebook shows a ✗ and the notebook carries on. An exercise's placeholder (None or
-..., also inside a list, tuple or dict: what a student copy's stubs return) prints NOT_SOLVED.
+Each prints one line whose text is the same on every machine: a verdict against the tolerance,
+never the rounding residue itself (its last digits depend on the CPU's BLAS kernels; `residue`
+gives it to a cell whose output nbval ignores). A wrong answer is described (where, and how:
+"too large by a factor of 4", "one too few", "the sign") without the expected value, so the
+checkers can grade. In the teacher's notebooks (STRICT, the default) a failure raises
+CheckFailed after its line, so `make run` and nbval fail the moment package and prose part
+ways; a student copy sets STRICT = False (tools/student.py), and a wrong or missing answer
+prints ✗ and the notebook goes on. An exercise's placeholder (None or ..., also inside a list,
+tuple or dict: what a student copy's stubs return) prints NOT_SOLVED.
 """
 
 from __future__ import annotations
@@ -13,49 +20,63 @@ from __future__ import annotations
 import numpy as np
 
 NAME_WIDTH = 10  # compare's names are padded to this width so that the verdicts line up
-NOT_SOLVED = "not solved yet"  # what both print for a placeholder answer (tools/student.py's stubs)
+NOT_SOLVED = "not solved yet"  # what the checkers print for a placeholder answer
+STRICT = True  # a failed check raises (teacher's notebooks); student copies set False
 
 
-def _diff_text(diff: float) -> str:
-    """A difference with one significant digit ('3e-08'), so float noise rarely changes it."""
-    return "nan" if np.isnan(diff) else f"{diff:.0e}"
+class CheckFailed(AssertionError):
+    """A check in a teacher's notebook failed: the solution or the prose no longer holds."""
 
 
-def compare(name: str, a, b, atol: float = 1e-6) -> bool:
-    """Print `name exact`, `name approx  max diff D` or `name DIFFERS max diff D`; True if
-    a and b have the same shape and agree within atol (max absolute difference).
-
-    a is the one under test: a placeholder there prints `name not solved yet`.
-    """
-    label = f"{name:<{NAME_WIDTH}}"
-    if not_solved(a):
-        print(f"{label} {NOT_SOLVED}")
-        return False
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        print(f"{label} DIFFERS shape {a.shape} vs {b.shape}")
-        return False
-    if np.array_equal(a, b):
-        print(f"{label} exact")
-        return True
-    diff = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-    if diff <= atol:  # False for nan
-        print(f"{label} approx  max diff {_diff_text(diff)}")
-        return True
-    print(f"{label} DIFFERS max diff {_diff_text(diff)}")
+def _fail(line: str) -> bool:
+    """Print the failure's line; raise in STRICT mode, else return False (the notebook goes on)."""
+    print(line)
+    if STRICT:
+        raise CheckFailed(line.lstrip("✗ "))
     return False
 
 
-def _show(value) -> str:
-    """A short, address-free text for an answer: lists for arrays, plain numbers for scalars."""
-    if isinstance(value, np.ndarray) and value.size > 12:
-        return f"an array of shape {value.shape}"
-    if hasattr(value, "tolist"):  # numpy arrays and scalars: no 'np.int64(5)' or 'array(...)'
-        value = value.tolist()
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def residue(a, b) -> float:
+    """The largest absolute difference between a and b, for cells whose output nbval ignores."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b), initial=0.0))
+
+
+def compare(name: str, a, b, atol: float = 1e-6, exact: bool = False, expect: bool = True) -> bool:
+    """Print `name equal within ATOL` (or, with exact, `name bit-identical`) when a and b have
+    the same shape and agree, else `name DIFFERS ...`; return whether they agree.
+
+    a is the one under test: a placeholder there prints `name not solved yet`. A difference
+    fails (raises when STRICT) unless expect=False: a cell that shows a wrong result on purpose.
+    """
+    label = f"{name:<{NAME_WIDTH}}"
+    if not_solved(a):
+        return _fail(f"{label} {NOT_SOLVED}")
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape:
+        line = f"{label} DIFFERS: shape {a.shape} vs {b.shape}"
+    elif exact:
+        if np.array_equal(a, b):
+            print(f"{label} bit-identical")
+            return True
+        line = f"{label} DIFFERS: not bit-identical"
+    else:
+        if residue(a, b) <= atol:  # False for nan
+            print(f"{label} equal within {atol:.0e}")
+            return True
+        line = f"{label} DIFFERS by more than {atol:.0e}"
+    if expect:
+        return _fail(line)
+    print(line)
+    return False
+
+
+def claim(text: str, condition) -> bool:
+    """A sentence of the prose, checked beside it: `✓ text`, or a failure that raises."""
+    if bool(condition):
+        print(f"✓ {text}")
+        return True
+    return _fail(f"✗ claim does not hold: {text}")
 
 
 def not_solved(answer) -> bool:
@@ -84,40 +105,104 @@ def _equal(answer, expected, atol: float | None) -> bool:
             return False
 
 
-def check(name: str, answer, expected, hint: str = "", atol: float | None = None) -> bool:
-    """Print `✓ name: correct` or `✗ name: ...` with the hint; True when answer == expected.
+def how_wrong(answer, expected, atol: float | None = None) -> str:
+    """Where and how an answer differs from the expected one, without saying what it is.
 
-    An answer still None or ... (the exercise's placeholder) prints `✗ name: not solved yet`
-    without giving the expected value away. Arrays compare elementwise (within atol if given).
+    'item 2: too large by a factor of 4', 'one too few', 'the sign is wrong', 'shape (4, 5),
+    not the expected 2-D shape', '3 values where 4 are expected', ...
+    """
+    if isinstance(answer, dict) and isinstance(expected, dict):
+        if set(answer) != set(expected):
+            return f"keys {sorted(map(str, answer))}, not the expected {len(expected)} keys"
+        for key in expected:
+            if not _equal(answer[key], expected[key], atol):
+                return f"{key}: {how_wrong(answer[key], expected[key], atol)}"
+    try:
+        a, e = np.asarray(answer), np.asarray(expected)
+        numeric = a.dtype.kind in "biuf" and e.dtype.kind in "biuf"
+    except (TypeError, ValueError):
+        return f"{_show(answer)} is not it"
+    if a.shape != e.shape:
+        if a.ndim == e.ndim == 1:
+            return f"{a.size} values where {e.size} are expected"
+        return f"shape {a.shape}, where a {e.ndim}-D shape of {e.size} elements is expected"
+    if not numeric:
+        return f"{_show(answer)} is not it" if a.ndim == 0 else _first_item(a, e, atol)
+    if a.ndim > 0:
+        return _first_item(a, e, atol)
+    return _scalar_how(float(a), float(e))
+
+
+def _first_item(a: np.ndarray, e: np.ndarray, atol: float | None) -> str:
+    """The first item that differs (index, how), and how many more do."""
+    pairs = list(zip(a.reshape(-1), e.reshape(-1), strict=True))
+    wrong = [i for i, (x, y) in enumerate(pairs) if not _equal(x, y, atol)]
+    if not wrong:
+        return "differs"
+    i = wrong[0]
+    where = tuple(int(k) for k in np.unravel_index(i, a.shape)) if a.ndim > 1 else i
+    more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    return f"item {where}: {how_wrong(pairs[i][0].item(), pairs[i][1].item(), atol)}{more}"
+
+
+def _scalar_how(a: float, e: float) -> str:
+    """How a number differs from the expected one, in words that do not give it away."""
+    if np.isnan(a):
+        return "nan"
+    if e != 0 and a == -e:
+        return "the sign is wrong"
+    if abs(a - e) == 1:
+        return f"one too {'many' if a > e else 'few'}"
+    if e != 0 and a != 0 and np.sign(a) == np.sign(e):
+        ratio = a / e if abs(a) > abs(e) else e / a
+        factor = round(ratio)
+        if factor >= 2 and abs(ratio - factor) < 1e-9 * factor:
+            return f"too {'large' if abs(a) > abs(e) else 'small'} by a factor of {factor}"
+    return "too large" if a > e else "too small"
+
+
+def _show(value) -> str:
+    """A short, address-free text for an answer: lists for arrays, plain numbers for scalars."""
+    if isinstance(value, np.ndarray) and value.size > 12:
+        return f"an array of shape {value.shape}"
+    if hasattr(value, "tolist"):  # numpy arrays and scalars: no 'np.int64(5)' or 'array(...)'
+        value = value.tolist()
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check(name: str, answer, expected, hint: str = "", atol: float | None = None) -> bool:
+    """Print `✓ name: correct`, or `✗ name: ` where and how the answer is wrong, and the hint.
+
+    An answer still None or ... (the exercise's placeholder) prints `✗ name: not solved yet`.
+    Arrays compare elementwise (within atol if given). The expected value is never printed.
     """
     tail = f" — {hint}" if hint else ""
     if not_solved(answer):
-        print(f"✗ {name}: {NOT_SOLVED}{tail}")
-        return False
+        return _fail(f"✗ {name}: {NOT_SOLVED}{tail}")
     if _equal(answer, expected, atol):
         print(f"✓ {name}: correct")
         return True
-    print(f"✗ {name}: expected {_show(expected)}, got {_show(answer)}{tail}")
-    return False
+    return _fail(f"✗ {name}: {how_wrong(answer, expected, atol)}{tail}")
 
 
 def verdict(name: str, per_rank: list, hint: str, atol: float = 1e-6) -> bool:
     """One line for an exercise checked on every rank: per_rank[r] lists (what, answer,
     expected) computed on rank r; the first shape or value that differs is named."""
     if any(not_solved(answer) for items in per_rank for _, answer, _ in items):
-        print(f"✗ {name}: {NOT_SOLVED} — {hint}")
-        return False
+        return _fail(f"✗ {name}: {NOT_SOLVED} — {hint}")
     for r, items in enumerate(per_rank):
         for what, answer, expected in items:
             answer, expected = np.asarray(answer), np.asarray(expected)
             if answer.shape != expected.shape:
-                shapes = f"shape {answer.shape}, expected {expected.shape}"
-                print(f"✗ {name}: rank {r}, {what}: {shapes}")
-                return False
+                return _fail(
+                    f"✗ {name}: rank {r}, {what}: shape {answer.shape}, expected {expected.shape}"
+                )
             diff = float(np.max(np.abs(answer - expected), initial=0.0))
             if not diff <= atol:
-                print(f"✗ {name}: rank {r}, {what}: max difference {diff:.1e} — {hint}")
-                return False
+                return _fail(f"✗ {name}: rank {r}, {what}: max difference {diff:.1e} — {hint}")
     print(f"✓ {name}: correct on all {len(per_rank)} ranks")
     return True
 
@@ -126,29 +211,19 @@ def check_bytes(name: str, cases: dict, categories=("params", "grads", "optimize
     """Compare answers with ledgers: cases maps a configuration to (answer, [ledger per rank]).
 
     Prints `✓ name: correct` or, for each wrong category, which configuration, rank and
-    category differs and by how many bytes; a placeholder answer prints NOT_SOLVED.
+    category differs and how (never the ledger's figure); a placeholder prints NOT_SOLVED.
     """
     if any(not_solved(answer) for answer, _ in cases.values()):
-        print(f"✗ {name}: {NOT_SOLVED}")
-        return False
+        return _fail(f"✗ {name}: {NOT_SOLVED}")
     wrong = [
-        f"  {config} rank {r} {category}: yours {answer.get(category)!r}, the ledger "
-        f"{ledger[category]:,}" + _off_by(answer.get(category), ledger[category])
+        f"  {config} rank {r} {category}: {how_wrong(answer.get(category), ledger[category])}"
         for config, (answer, ledgers) in cases.items()
         for r, ledger in enumerate(ledgers)
         for category in categories
         if answer.get(category) != ledger[category]
     ]
     if wrong:
-        print(f"✗ {name}: {len(wrong)} of the ledger's figures differ", *wrong[:8], sep="\n")
-        return False
+        print(f"✗ {name}: {len(wrong)} of the ledger's figures differ", *wrong[:7], sep="\n")
+        return _fail(f"  ({name}: see the lines above)")
     print(f"✓ {name}: correct — every category of every rank's ledger")
     return True
-
-
-def _off_by(yours, ledger: int) -> str:
-    """' (N bytes too many/few)' when yours is a number, else nothing."""
-    if not isinstance(yours, (int, float, np.integer, np.floating)):
-        return ""
-    diff = yours - ledger
-    return f" ({abs(diff):,} bytes too {'many' if diff > 0 else 'few'})"

@@ -83,21 +83,25 @@ def test_solutions_become_stubs_and_everything_else_stays():
     teacher = teacher_notebook()
     copy = student.student_copy(teacher, "99_synthetic.ipynb")
     sources = [cell.source for cell in copy.cells]
-    assert sources == [
-        teacher.cells[0].source,
-        teacher.cells[1].source,
-        "def relu_backward(x, dout):\n    # dL/dx of out = max(x, 0)\n"
-        "    return None  # YOUR CODE HERE" + FUNCTION[FUNCTION.index("\n\n\n") :],
-        "first = None  # YOUR CODE HERE\nsecond = None  # YOUR CODE HERE\n"
-        "rest = None  # YOUR CODE HERE\nthird = None  # YOUR CODE HERE\n"
-        'check("rows", [first, second, third], [2, 5, 99])',
-        'def shard(numel, n):\n    return None, None  # YOUR CODE HERE\n\n\ncompare("shard", '
-        "shard(10, 4), (3, 2))",
-        "%%px\ndef allreduce_mean(comm, buf):\n    return None  # YOUR CODE HERE",
-        "Why is it so?\nOn.",  # the cell holding only a solution is gone
-        "print(1 + 1)",
-    ]
-    assert [cell.get("id") for cell in copy.cells] == [
+    assert (
+        sources
+        == [
+            teacher.cells[0].source,
+            student.STUDENT_MODE,  # before the first code cell: a failed checker goes on
+            teacher.cells[1].source,
+            "def relu_backward(x, dout):\n    # dL/dx of out = max(x, 0)\n"
+            "    return None  # YOUR CODE HERE" + FUNCTION[FUNCTION.index("\n\n\n") :],
+            "first = None  # YOUR CODE HERE\nsecond = None  # YOUR CODE HERE\n"
+            "rest = None  # YOUR CODE HERE\nthird = None  # YOUR CODE HERE\n"
+            'check("rows", [first, second, third], [2, 5, 99])',
+            'def shard(numel, n):\n    return None, None  # YOUR CODE HERE\n\n\ncompare("shard", '
+            "shard(10, 4), (3, 2))",
+            "%%px\ndef allreduce_mean(comm, buf):\n    return None  # YOUR CODE HERE",
+            "Why is it so?\nOn.",  # the cell holding only a solution is gone
+            "print(1 + 1)",
+        ]
+    )
+    assert [cell.get("id") for cell in copy.cells if cell.source != student.STUDENT_MODE] == [
         cell.get("id") for i, cell in enumerate(teacher.cells) if i != 7
     ]
     text = nbformat.writes(copy)
@@ -183,7 +187,7 @@ def test_a_stub_line_fixes_it():
     copy = student.student_copy(
         new_notebook(cells=[new_code_cell(source + "### END SOLUTION")]), ""
     )
-    assert copy.cells[0].source == "for k in range(3):\n    x = None  # YOUR CODE HERE"
+    assert copy.cells[1].source == "for k in range(3):\n    x = None  # YOUR CODE HERE"
 
 
 def test_command_line_writes_copies_and_refuses_bad_markers_writing_nothing(tmp_path):

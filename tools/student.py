@@ -64,6 +64,14 @@ MD_BEGIN, MD_END = "<!-- BEGIN SOLUTION -->", "<!-- END SOLUTION -->"  # markdow
 STUB = "# stub:"
 YOUR_CODE = "# YOUR CODE HERE"
 MARKER_WORDS = re.compile(r"(BEGIN|END) SOLUTION")
+# The first code cell of every student copy: in the teacher's notebooks a failed checker raises
+# (fsdp_lesson.checks.STRICT); here a wrong or missing answer prints ✗ and the notebook goes on.
+STUDENT_MODE = (
+    "# A student copy: a checker that finds a wrong or missing answer prints ✗ and goes on.\n"
+    "from fsdp_lesson import checks\n"
+    "\n"
+    "checks.STRICT = False"
+)
 
 
 class MarkerError(ValueError):
@@ -198,7 +206,8 @@ def strip_markdown(source: str, where: str) -> str:
 
 
 def student_copy(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
-    """A copy of nb with solutions stubbed (code) or dropped (markdown), outputs cleared."""
+    """A copy of nb with solutions stubbed (code) or dropped (markdown), outputs cleared, and
+    the checkers set to go on after a failure (STUDENT_MODE, before the first code cell)."""
     student = copy.deepcopy(nb)
     cells = []
     for number, cell in enumerate(student.cells, start=1):
@@ -219,6 +228,8 @@ def student_copy(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
             cell.metadata.pop("collapsed", None)
             cell.source = source
         cells.append(cell)
+    first_code = next((i for i, cell in enumerate(cells) if cell.cell_type == "code"), len(cells))
+    cells.insert(first_code, nbformat.v4.new_code_cell(STUDENT_MODE))
     student.cells = cells
     return student
 
