@@ -357,7 +357,8 @@ def ledger_bytes(
             kept = [item * padded(s, n) for s in sizes]
             during = kept_full_peak(kept, upcast, sizes, mixed, accum)
         step = 4 * max(owned) if mixed else 0  # the owned gradient, upcast for the update
-        buffers = max(persistent + init, persistent + during, persistent + step)
+        # zero2's transient is allocated at the first backward, after initialisation's layer
+        buffers = max(init, persistent + during, persistent + step)
     return {
         **{k: int(v) for k, v in state.items()},
         "buffers": buffers,

@@ -78,8 +78,8 @@ def expected_state_bytes(strategy: str, model_config, n: int, optimizer: str) ->
             params=4 * psi_pad,
             grads=4 * psi_pad // n,
             optimizer=opt * psi_pad // n,
-            buffers=4 * largest + init,
-        ),  # the reused transient full-gradient buffer
+            buffers=max(4 * largest, init),
+        ),  # the reused transient full-gradient buffer, allocated after initialisation
         "zero3": dict(
             params=4 * psi_pad // n,
             grads=4 * psi_pad // n,

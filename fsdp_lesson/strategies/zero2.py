@@ -25,20 +25,27 @@ class ZeRO2(ZeRO1):
         self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
         self.keep_full = self.accum_reduce == "last" and self.accum > 1
         self.accumulated: dict[str, object] = {}  # "last": layer -> its full gradient
-        if self.keep_full:
-            return
-        largest = max(flat.padded_numel for flat in self.layout.values())
-        self.full_grad = self.ledger.alloc("buffers", largest, "transient_full_grad", self.dtype)
-        self.grad_views = {
-            name: flat.views(self.full_grad[: flat.padded_numel])
-            for name, flat in self.layout.items()
-        }
+        self.full_grad = None  # the transient, allocated at the first backward (transient_views)
+
+    def transient_views(self, name: str):
+        """Views of the one full-gradient buffer every layer reuses, sized for the largest layer.
+        Allocated when first needed, after initialisation's layer is freed: the two never
+        coexist, so the buffer peak is the larger of them, not their sum."""
+        if self.full_grad is None:
+            largest = max(flat.padded_numel for flat in self.layout.values())
+            label = "transient_full_grad"
+            self.full_grad = self.ledger.alloc("buffers", largest, label, self.dtype)
+            self.grad_views = {
+                layer: flat.views(self.full_grad[: flat.padded_numel])
+                for layer, flat in self.layout.items()
+            }
+        return self.grad_views[name]
 
     def grad_buffer(self, layer):
         """The reused transient buffer, or ("last") the layer's full gradient, kept until the
         last micro-batch has added to it."""
         if not self.keep_full:
-            return self.backward_buffer(layer, self.grad_views[layer.name], accumulate=False)
+            return self.backward_buffer(layer, self.transient_views(layer.name), accumulate=False)
         flat = self.layout[layer.name]
         if layer.name not in self.accumulated:
             label = f"{layer.name} accumulated grad"
