@@ -28,7 +28,7 @@ class CheckFailed(AssertionError):
     """A check in a teacher's notebook failed: the solution or the prose no longer holds."""
 
 
-def _fail(line: str) -> bool:
+def fail(line: str) -> bool:
     """Print the failure's line; raise in STRICT mode, else return False (the notebook goes on)."""
     print(line)
     if STRICT:
@@ -51,7 +51,7 @@ def compare(name: str, a, b, atol: float = 1e-6, exact: bool = False, expect: bo
     """
     label = f"{name:<{NAME_WIDTH}}"
     if not_solved(a):
-        return _fail(f"{label} {NOT_SOLVED}")
+        return fail(f"{label} {NOT_SOLVED}")
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         line = f"{label} DIFFERS: shape {a.shape} vs {b.shape}"
@@ -66,17 +66,18 @@ def compare(name: str, a, b, atol: float = 1e-6, exact: bool = False, expect: bo
             return True
         line = f"{label} DIFFERS by more than {atol:.0e}"
     if expect:
-        return _fail(line)
+        return fail(line)
     print(line)
     return False
 
 
-def claim(text: str, condition) -> bool:
-    """A sentence of the prose, checked beside it: `✓ text`, or a failure that raises."""
+def claim(text: str, condition) -> None:
+    """A sentence of the prose, checked beside it: prints `✓ text`, or fails (raises when
+    STRICT). Returns nothing, so a cell that ends with a claim shows only its line."""
     if bool(condition):
         print(f"✓ {text}")
-        return True
-    return _fail(f"✗ claim does not hold: {text}")
+    else:
+        fail(f"✗ claim does not hold: {text}")
 
 
 def not_solved(answer) -> bool:
@@ -181,28 +182,28 @@ def check(name: str, answer, expected, hint: str = "", atol: float | None = None
     """
     tail = f" — {hint}" if hint else ""
     if not_solved(answer):
-        return _fail(f"✗ {name}: {NOT_SOLVED}{tail}")
+        return fail(f"✗ {name}: {NOT_SOLVED}{tail}")
     if _equal(answer, expected, atol):
         print(f"✓ {name}: correct")
         return True
-    return _fail(f"✗ {name}: {how_wrong(answer, expected, atol)}{tail}")
+    return fail(f"✗ {name}: {how_wrong(answer, expected, atol)}{tail}")
 
 
 def verdict(name: str, per_rank: list, hint: str, atol: float = 1e-6) -> bool:
     """One line for an exercise checked on every rank: per_rank[r] lists (what, answer,
     expected) computed on rank r; the first shape or value that differs is named."""
     if any(not_solved(answer) for items in per_rank for _, answer, _ in items):
-        return _fail(f"✗ {name}: {NOT_SOLVED} — {hint}")
+        return fail(f"✗ {name}: {NOT_SOLVED} — {hint}")
     for r, items in enumerate(per_rank):
         for what, answer, expected in items:
             answer, expected = np.asarray(answer), np.asarray(expected)
             if answer.shape != expected.shape:
-                return _fail(
+                return fail(
                     f"✗ {name}: rank {r}, {what}: shape {answer.shape}, expected {expected.shape}"
                 )
             diff = float(np.max(np.abs(answer - expected), initial=0.0))
             if not diff <= atol:
-                return _fail(f"✗ {name}: rank {r}, {what}: max difference {diff:.1e} — {hint}")
+                return fail(f"✗ {name}: rank {r}, {what}: max difference {diff:.1e} — {hint}")
     print(f"✓ {name}: correct on all {len(per_rank)} ranks")
     return True
 
@@ -214,7 +215,7 @@ def check_bytes(name: str, cases: dict, categories=("params", "grads", "optimize
     category differs and how (never the ledger's figure); a placeholder prints NOT_SOLVED.
     """
     if any(not_solved(answer) for answer, _ in cases.values()):
-        return _fail(f"✗ {name}: {NOT_SOLVED}")
+        return fail(f"✗ {name}: {NOT_SOLVED}")
     wrong = [
         f"  {config} rank {r} {category}: {how_wrong(answer.get(category), ledger[category])}"
         for config, (answer, ledgers) in cases.items()
@@ -224,6 +225,6 @@ def check_bytes(name: str, cases: dict, categories=("params", "grads", "optimize
     ]
     if wrong:
         print(f"✗ {name}: {len(wrong)} of the ledger's figures differ", *wrong[:7], sep="\n")
-        return _fail(f"  ({name}: see the lines above)")
+        return fail(f"  ({name}: see the lines above)")
     print(f"✓ {name}: correct — every category of every rank's ledger")
     return True

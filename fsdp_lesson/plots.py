@@ -428,7 +428,8 @@ def bytes_per_parameter(precisions: dict) -> Figure:
 
 def memory_timeline(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
     """Live bytes on a rank at every ledger event of one step, a panel per strategy; the
-    backward pass shaded from the event "hold dlogits"; zero3's gathers dotted."""
+    backward pass shaded from the event "hold dlogits"; zero3's gathers (the events
+    "hold <layer> gathered") dotted."""
     widths = [len(t) for t in timelines.values()]
     fig, axes = plt.subplots(1, len(timelines), figsize=(13, 4.4), width_ratios=widths)
     for ax, (label, timeline) in zip(np.atleast_1d(axes), timelines.items(), strict=True):
@@ -440,15 +441,16 @@ def memory_timeline(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
         ax.text(backward / 2, 0.03, "forward", transform=axis, ha="center")
         ax.text((backward + len(events)) / 2, 0.03, "backward", transform=axis, ha="center")
         for i, event in enumerate(events):
-            if event.startswith("gather"):
-                ax.axvline(i, color=KIND_COLORS["allgather"], ls=":", lw=1)
-        ax.set_xticks(range(len(events)), events, rotation=90, fontsize=6)
+            if event.startswith("hold") and event.endswith(" gathered"):
+                ax.axvline(i, color=KIND_COLORS["allgather"], ls=":", lw=1.2)
+        ax.set_xticks(range(len(events)), events, rotation=90, fontsize=7.5)
         ax.set_xlim(-0.5, len(events) - 0.5)
         span = max(live) - min(live)
         ax.set_ylim(min(live) - 0.3 * span, max(live) + 0.1 * span)
         ax.yaxis.set_major_formatter(KB)
         ax.set_ylabel("kB live on each rank")
-        dotted = " (dotted: a layer is gathered)" if "zero3" in label else ""
+        gathers = any(e.startswith("hold") and e.endswith(" gathered") for e in events)
+        dotted = " (dotted: a layer is gathered)" if gathers else ""
         ax.set_title(f"{label}: live bytes during one step{dotted}", fontsize=9)
     fig.tight_layout()
     return fig

@@ -227,6 +227,22 @@ def test_memory_timeline_shades_backward_from_dlogits():
     assert list(ax.get_lines()[0].get_ydata()) == [10, 12, 15, 11]
 
 
+def test_memory_timeline_dots_each_gather_and_says_so_in_the_title():
+    from fsdp_lesson.plots import memory_timeline
+
+    events = ["start", "hold fc1 gathered", "hold fc1", "free fc1 gathered", "hold dlogits"]
+    fig = memory_timeline(
+        {
+            "zero3": list(zip(events, [1, 5, 6, 2, 3], strict=True)),
+            "dp": [("start", 1), ("hold dlogits", 2)],
+        }
+    )
+    zero3, dp = fig.axes
+    dotted = [line.get_xdata()[0] for line in zero3.get_lines()[1:]]
+    assert dotted == [1] and "dotted: a layer is gathered" in zero3.get_title()
+    assert len(dp.get_lines()) == 1 and "dotted" not in dp.get_title()
+
+
 def test_rank_shards_fills_each_ranks_slice():
     from fsdp_lesson.flat import FlatParam
     from fsdp_lesson.plots import rank_shards
