@@ -43,8 +43,9 @@ def residue(a, b) -> float:
 
 
 def compare(name: str, a, b, atol: float = 1e-6, exact: bool = False, expect: bool = True) -> bool:
-    """Print `name equal within ATOL` (or, with exact, `name bit-identical`) when a and b have
-    the same shape and agree, else `name DIFFERS ...`; return whether they agree.
+    """Print `name equal within ATOL` (or, with exact, `name bit-identical`; integer arrays:
+    `name identical`) when a and b have the same shape and agree, else `name DIFFERS ...`;
+    return whether they agree.
 
     a is the one under test: a placeholder there prints `name not solved yet`. A difference
     fails (raises when STRICT) unless expect=False: a cell that shows a wrong result on purpose.
@@ -55,11 +56,12 @@ def compare(name: str, a, b, atol: float = 1e-6, exact: bool = False, expect: bo
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         line = f"{label} DIFFERS: shape {a.shape} vs {b.shape}"
-    elif exact:
+    elif exact or (a.dtype.kind in "biu" and b.dtype.kind in "biu"):  # integers: all or nothing
+        word = "bit-identical" if a.dtype.kind == "f" or b.dtype.kind == "f" else "identical"
         if np.array_equal(a, b):
-            print(f"{label} bit-identical")
+            print(f"{label} {word}")
             return True
-        line = f"{label} DIFFERS: not bit-identical"
+        line = f"{label} DIFFERS: not {word}"
     else:
         if residue(a, b) <= atol:  # False for nan
             print(f"{label} equal within {atol:.0e}")

@@ -37,6 +37,16 @@ def test_compare_exact_asks_for_bit_identity(capsys, student):
     ]
 
 
+def test_compare_integers_are_identical_or_not(capsys, student):
+    tokens = np.arange(6, dtype=np.uint8)
+    assert compare("X", tokens, tokens.astype(np.int64)) is True
+    assert compare("X", tokens, tokens + 1) is False
+    assert capsys.readouterr().out.splitlines() == [
+        "X          identical",
+        "X          DIFFERS: not identical",
+    ]
+
+
 def test_compare_differs_raises_in_a_teachers_notebook(capsys):
     a = np.ones((3, 3), dtype=np.float32)
     with pytest.raises(CheckFailed, match="emb.W +DIFFERS by more than 1e-03"):
@@ -58,7 +68,7 @@ def test_compare_mixed_dtypes_shapes_nan_and_long_names(capsys, student):
         "loss       equal within 1e-06",
         "Y          DIFFERS: shape (3,) vs (4,)",
         "x          DIFFERS by more than 1e-06",
-        "a_rather_long_name equal within 1e-06",
+        "a_rather_long_name identical",
     ]
 
 
