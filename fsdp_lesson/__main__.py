@@ -203,7 +203,8 @@ def build_parser() -> Parser:
         "--accum-reduce",
         choices=ACCUM_REDUCE,
         default=d.accum_reduce,
-        help="reduce gradients after every micro-batch, or once after the last (no_sync)",
+        help="reduce gradients after every micro-batch, or once after the last (DDP's no_sync,"
+        " FSDP2's set_requires_gradient_sync(False))",
     )
     train.add_argument(
         "--recompute",

@@ -144,7 +144,8 @@ class Strategy:
 
         Every rank draws every layer (so the random stream is the seed's at any N), but only
         one layer's values exist at a time, counted as a buffer: no rank ever builds the whole
-        model (FSDP initialises one unit at a time; DeepSpeed has zero.Init).
+        model (as FSDP1's `param_init_fn` and DeepSpeed's `zero.Init` do; FSDP2 builds the
+        model on the meta device, shards it, and initialises the shards after `to_empty`).
         """
         for layer, arrays in self.model.init_layers(rng):
             label = f"init {layer.name}"
@@ -220,7 +221,8 @@ class Strategy:
 
     def begin_micro_batch(self, micro: int) -> None:
         """The loop starts micro-batch `micro` of `accum` (DeepSpeed: the accumulation
-        boundary is the last one; FSDP: `no_sync()` around all but the last)."""
+        boundary is the last one; DDP and FSDP1: `no_sync()` around all but the last, FSDP2:
+        `set_requires_gradient_sync(False)`)."""
         self.micro = micro
 
     @property

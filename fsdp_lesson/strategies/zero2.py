@@ -8,7 +8,8 @@ Gradient accumulation over K micro-batches, the trade DeepSpeed and FSDP both fa
     every   reduce-scatter after every micro-batch and add into the owned shard: memory stays
             sharded, the gradient traffic is K times (DeepSpeed's stage 2, FSDP's default)
     last    keep every layer's full gradient across the micro-batches and reduce-scatter once
-            after the last: traffic once, memory of a full gradient (FSDP's `no_sync()`)
+            after the last: traffic once, memory of a full gradient (FSDP1's `no_sync()`,
+            FSDP2's `set_requires_gradient_sync(False)`)
 """
 
 from __future__ import annotations

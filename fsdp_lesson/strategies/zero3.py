@@ -19,7 +19,8 @@ Options, with their FSDP2 (`fully_shard`) and DeepSpeed names:
 
 Gradient accumulation (zero2's docstring has the trade): "every" reduce-scatters each unit's
 gradient after every micro-batch and adds it into the owned shard; "last" keeps every unit's
-full gradient across the micro-batches and reduce-scatters once (FSDP's `no_sync()`).
+full gradient across the micro-batches and reduce-scatters once (FSDP1's `no_sync()`, FSDP2's
+`set_requires_gradient_sync(False)`).
 """
 
 from __future__ import annotations
