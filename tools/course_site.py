@@ -6,13 +6,22 @@
 link_pages. The course's title and one-line summary come from README.md's heading and first
 paragraph, each notebook's line from its first markdown heading, so nothing here needs editing
 when a notebook is added or renamed. (Not tools/site.py: that name is Python's own site module.)
+
+The site works offline (a classroom without network, a train): no page requests anything from
+outside its folder. nbconvert's pages load MathJax, require.js and mermaid from a CDN; here
+MathJax 2.7 comes from the jupyter-server-mathjax package (the copy Jupyter itself serves),
+copied to DIR/mathjax/ by link_pages, and the pages load it from there. require.js only serves
+ipywidgets and mermaid only ```mermaid diagrams, neither of which the notebooks have: both are
+left out (a widget would show nothing, a diagram its source). Images are embedded as data: URIs.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
+import importlib.util
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +33,29 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 HTML_DIR = ROOT / "build" / "html"
 NAV_START, NAV_END = "<!-- course-nav -->", "<!-- /course-nav -->"
+MATHJAX_DIR = "mathjax"  # in the site's folder, beside the pages
+# The configuration the Jupyter Notebook loads from this package: TeX input, HTML-CSS output.
+MATHJAX_URL = f"{MATHJAX_DIR}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
+# nbconvert's lab template, with MathJax from the site's folder and nothing from a CDN. MathJax
+# is configured before it loads: the package ships only the STIX-Web web fonts (no TeX ones, no
+# image fonts), so it is told to use those; and its placeholder font MathJax_Blank, meant never
+# to load, is a local() name instead of url('about:blank'), which a page opened from a file://
+# address may not fetch (Chromium logs a CORS error for it).
+TEMPLATE = """{%- extends 'index.html.j2' -%}
+{% from 'mathjax.html.j2' import mathjax %}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block html_head_js_mathjax -%}
+<script>
+window.MathJax = {"HTML-CSS": {
+  availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
+  linebreaks: {automatic: true},
+  styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank')"}}}};
+</script>
+{{ mathjax(resources.mathjax_url) }}
+{%- endblock html_head_js_mathjax -%}
+"""
 STYLE = """<style>
 .course-nav { display: flex; justify-content: space-between; gap: 1em; max-width: 1100px;
   margin: 0.5em auto; padding: 0.4em 0.8em; font: 14px/1.4 system-ui, sans-serif;
@@ -58,8 +90,30 @@ def course_heading() -> tuple[str, str]:
 def write_page(nb: nbformat.NotebookNode, path: Path) -> None:
     """Render an (executed) notebook to path as HTML, titled with its first heading."""
     title = first_heading(nb) or path.stem
-    body, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": title}})
+    exporter = HTMLExporter(raw_template=TEMPLATE, mathjax_url=MATHJAX_URL)
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
     path.write_text(body, encoding="utf-8")
+
+
+def mathjax_source() -> Path:
+    """MathJax's files as the jupyter-server-mathjax package ships them (found, not imported:
+    importing it would load jupyter_server)."""
+    spec = importlib.util.find_spec("jupyter_server_mathjax")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "MathJax for the site comes from jupyter-server-mathjax: pip install -e . "
+            "(or pip install jupyter-server-mathjax)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "static"
+
+
+def copy_mathjax(html_dir: Path) -> Path:
+    """html_dir/mathjax/: a fresh copy of MathJax (all of it, 12 MB: its menu can switch
+    renderer and language, and each loads more files)."""
+    target = html_dir / MATHJAX_DIR
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(mathjax_source(), target)
+    return target
 
 
 def nav_bar(previous: tuple[str, str] | None, following: tuple[str, str] | None) -> str:
@@ -117,7 +171,8 @@ a:hover {{ text-decoration: underline; }}
 
 
 def link_pages(html_dir: Path = HTML_DIR, notebooks: list[Path] = NOTEBOOKS) -> list[Path]:
-    """Write html_dir/index.html and put prev/next links on each notebook's page found there.
+    """Write html_dir/index.html, put prev/next links on each notebook's page found there, and
+    copy in the MathJax the pages load (html_dir/mathjax/).
 
     Pages of notebooks not in `notebooks` are left alone; returns the pages linked, in order.
     """
@@ -135,6 +190,7 @@ def link_pages(html_dir: Path = HTML_DIR, notebooks: list[Path] = NOTEBOOKS) -> 
             encoding="utf-8",
         )
     (html_dir / "index.html").write_text(index_page(pages), encoding="utf-8")
+    copy_mathjax(html_dir)
     return [html_dir / file for file, _ in pages]
 
 
