@@ -207,6 +207,14 @@ def build_parser() -> Parser:
         " FSDP2's set_requires_gradient_sync(False))",
     )
     train.add_argument(
+        "--clip-grad-norm",
+        type=positive_float,
+        default=d.clip_grad_norm,
+        metavar="X",
+        help="scale each step's gradient down to a global norm of at most X, over all shards"
+        " (torch.nn.utils.clip_grad_norm_)",
+    )
+    train.add_argument(
         "--recompute",
         action="store_true",
         help="activation recomputation: keep each block's input, recompute the rest in backward",
@@ -306,6 +314,7 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         accum=args.accum,
         accum_reduce=args.accum_reduce,
         recompute=args.recompute,
+        clip_grad_norm=args.clip_grad_norm,
     )
     run_config = RunConfig(
         data=args.data,

@@ -73,6 +73,7 @@ class TrainConfig:
     accum: int = 1  # micro-batches of `batch` rows each per optimizer step
     accum_reduce: str = "every"  # zero2/zero3: reduce every micro-batch, or once at the "last"
     recompute: bool = False  # keep only each block's input in forward; recompute in backward
+    clip_grad_norm: float | None = None  # scale the gradient down to this global norm at most
 
     def __post_init__(self) -> None:
         if self.lr is None and self.optimizer in DEFAULT_LR:
@@ -122,6 +123,10 @@ class TrainConfig:
             f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}",
         )
         _require(self.accum >= 1, f"accum must be a positive integer, got {self.accum}")
+        _require(
+            self.clip_grad_norm is None or 0 < self.clip_grad_norm < math.inf,
+            f"clip_grad_norm must be a positive finite number, got {self.clip_grad_norm}",
+        )
         _require(
             self.accum_reduce in ACCUM_REDUCE,
             f"unknown accum_reduce {self.accum_reduce!r}: choose every or last",

@@ -340,6 +340,7 @@ def run(
     if rc.trace_memory:
         tracemalloc.start()
     options = levers(tc) | (zero3_options(tc) if tc.strategy == "zero3" else {})
+    options["clip_grad_norm"] = tc.clip_grad_norm  # allocates nothing: not the planner's
     strategy = together(
         comm,
         lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger, **options),

@@ -1,7 +1,7 @@
 """Run under `mpiexec -n N python tests/levers_worker.py OUT.pkl`: the memory levers on N ranks.
 
-Mixed precision (bf16, fp16), gradient accumulation (every, last) and activation
-recomputation (each beside its twin without) with every strategy;
+Mixed precision (bf16, fp16), gradient accumulation (every, last), activation
+recomputation (each beside its twin without) and gradient clipping with every strategy;
 rank 0 writes, per run, the losses, the full parameters (the fp32 master where there is one),
 the skipped steps and each rank's memory ledger and traffic.
 """
@@ -20,6 +20,7 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 TRAIN = dict(steps=100, batch=24, eval_batches=2, samples=1)
 TRAFFIC = dict(steps=5, batch=24, eval_batches=0, samples=0)
 RECOMPUTE = dict(steps=30, batch=24, eval_batches=1, samples=0)
+CLIP = 0.1  # --clip-grad-norm
 
 
 def runs():
@@ -40,6 +41,11 @@ def runs():
         for recompute in (False, True):  # a deeper model: three blocks to recompute
             kwargs = dict(strategy=strategy, optimizer="adam", recompute=recompute, **RECOMPUTE)
             yield f"{strategy}-recompute-{recompute}", ModelConfig(layers=3), kwargs, "mpi"
+        for opt in ("sgd", "adam"):  # the seed model's gradient norm is 0.2-0.3: every step clips
+            kwargs = dict(strategy=strategy, optimizer=opt, clip_grad_norm=CLIP, **TRAIN)
+            yield f"{strategy}-{opt}-clip", ModelConfig(), kwargs, "mpi"
+    kwargs = dict(strategy="zero3", clip_grad_norm=CLIP, layers_per_unit=2, **TRAIN)
+    yield "zero3-units2-clip", ModelConfig(layers=3), kwargs, "mpi"
     yield (
         "zero3-bf16-units2-keep",
         ModelConfig(layers=3),

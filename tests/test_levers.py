@@ -169,6 +169,41 @@ def test_accumulation_trades_traffic_for_memory(world):
             assert mem_l > mem_e, f"{strategy} N={n}: last keeps a full gradient"
 
 
+def test_clipping_by_the_global_norm_over_all_shards_equals_single_within_1e_5(world):
+    """Every strategy clips the gradient by its norm over the whole model (one allreduce of the
+    shards' squared norms), as single-rank training does, and the clipping really bites."""
+    n, results = world
+    clipped = [name for name in results if name.endswith("-clip")]
+    assert len(clipped) == 9
+    for name in clipped:
+        r = results[name]
+        history, params = single(r["model_config"], r["train_config"])
+        assert np.max(np.abs(r["losses"] - np.asarray(history.losses))) <= 1e-5, (name, n)
+        for layer, value in params.items():
+            assert np.max(np.abs(r["params"][layer] - value), initial=0.0) <= 1e-5, (name, layer)
+        unclipped = TrainConfig(**(r["train_config"].to_dict() | {"clip_grad_norm": None}))
+        _, free = single(r["model_config"], unclipped)
+        apart = max(np.max(np.abs(free[k] - v), initial=0.0) for k, v in params.items())
+        assert apart > 1e-3, f"{name}: clipping changed nothing"
+
+
+def test_clip_factor_is_torchs_and_each_shard_alone_would_be_wrong():
+    """min(1, X / (norm + 1e-6)) of the whole gradient's norm; a rank that clipped its own shard
+    by its own norm (the bug of 07's exercise) would find another factor."""
+    comm, config = Comm.world(), ModelConfig()
+    model = MLP(config)
+    strategy = make_strategy("single", model, make_optimizer("sgd", 0.1), comm, MemoryLedger())
+    grads = [np.full(4, 3.0, np.float32), np.full(1, 4.0, np.float32)]  # norm sqrt(36 + 16)
+    strategy.clip_grad_norm = 1.0
+    strategy.clip_grads(grads, over=None)
+    assert strategy.clip_factor == pytest.approx(1.0 / (np.sqrt(52.0) + 1e-6), rel=1e-12)
+    strategy.clip_grads(grads[:1], over=None)  # one shard's norm alone: 6, not sqrt(52)
+    assert strategy.clip_factor == pytest.approx(1.0 / (6.0 + 1e-6), rel=1e-12)
+    strategy.clip_grad_norm = 100.0
+    strategy.clip_grads(grads, over=None)
+    assert strategy.clip_factor == 1.0  # a gradient inside the bound is left alone
+
+
 def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     """A loss scale so large that the fp16 gradients overflow: the step is skipped (parameters
     and the optimizer's t unchanged), the scale halves, and training resumes once it fits."""

@@ -59,6 +59,7 @@ class Strategy:
         precision: str = "fp32",
         accum: int = 1,
         accum_reduce: str = "every",
+        clip_grad_norm: float | None = None,
     ) -> None:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
         self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
@@ -69,6 +70,8 @@ class Strategy:
         self.accum, self.accum_reduce, self.micro = accum, accum_reduce, 0
         self.landing: dict[str, tuple[Params, Params, bool]] = {}  # float32 grads to store
         self.upcasts: dict[str, Params] = {}  # float32 copies of 16-bit params, until release
+        # gradient clipping: the factor clip_grads found for this step's gradients (update)
+        self.clip_grad_norm, self.clip_factor = clip_grad_norm, 1.0
 
     # --- allocation, as the sharding table says -------------------------------------------
 
@@ -280,16 +283,34 @@ class Strategy:
             return False
         return not self.scaler.update(self.comm.all_agree(all_finite(grads)))
 
+    def clip_grads(self, grads, over: Comm | None) -> None:
+        """--clip-grad-norm X: this step's gradients are scaled by min(1, X / (norm + 1e-6)),
+        the norm taken over the whole model (torch.nn.utils.clip_grad_norm_). `grads` are this
+        rank's: its shards, whose squares `over` (the ranks that share out the model) sums in
+        one allreduce; or, with over=None, whole gradients, the same on every rank. Each rank
+        clipping its own shard by its own norm would train another model."""
+        if self.clip_grad_norm is None:
+            return
+        squares = sum(float(np.einsum("i,i->", g, g, dtype=np.float64)) for g in grads)
+        if over is not None and over.size > 1:
+            squares = over.mean_scalar(squares) * over.size  # the sum over the shards
+        norm = np.sqrt(squares) / (self.scaler.scale if self.scaler is not None else 1.0)
+        self.clip_factor = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+
     def update(self, params: np.ndarray, grad: np.ndarray, state: dict) -> None:
         """optimizer.update on what this rank owns. Mixed precision: the gradient upcast to
         float32 (and unscaled), the update on the fp32 master, the 16-bit copy refreshed."""
         if not self.mixed:
+            if self.clip_factor < 1.0:
+                grad *= np.float32(self.clip_factor)  # this step's gradient: free to scale
             self.optimizer.update(params, grad, state)
             return
         g = self.ledger.alloc("buffers", grad.size, "step grad fp32")
         g[...] = grad
         if self.scaler is not None:
             g *= np.float32(1 / self.scaler.scale)
+        if self.clip_factor < 1.0:
+            g *= np.float32(self.clip_factor)
         self.optimizer.update(state["master"], g, state)
         params[...] = state["master"]  # rounded to the nearest 16-bit value
         self.ledger.free("step grad fp32")

@@ -50,6 +50,7 @@ class ZeRO1(Strategy):
         grads = {name: self.owned_grad(name) for name in self.layout}
         if self.skip_step(grads.values()):  # fp16: an overflow anywhere skips the step
             return
+        self.clip_grads(grads.values(), over=self.comm)  # the owned shards of the mean
         self.optimizer.start_step()
         for name, flat in self.layout.items():
             owned_params = flat.owned_shard(self.params[name], self.comm.rank)

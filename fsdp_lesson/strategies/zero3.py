@@ -227,6 +227,7 @@ class ZeRO3(Strategy):
             self._finish_reduce(*self.reducing.pop(0))
         if self.skip_step(self.grad_shards.values()):  # fp16: an overflow anywhere skips it
             return
+        self.clip_grads(self.grad_shards.values(), over=self.shard_comm)  # HSDP: one group's
         self.optimizer.start_step()
         for name in self.layout:
             shard, grad = self.param_shards[name], self.grad_shards[name]
