@@ -3,6 +3,8 @@
 # make lab   JupyterLab with a 4-engine MPI cluster
 # make student  student copies of the notebooks, solutions replaced by stubs, in build/student/
 # make grade SUBMISSIONS=dir  run a class's notebooks, grade their exercises: build/grades.csv, .md
+# make hosts  (root) simulated hosts, HOSTS=2 x SLOTS=2 on a BANDWIDTH=1gbit link; then
+#             build/hosts/mpiexec -n 4 python -m fsdp_lesson train ...  (make hosts-down)
 # Each creates .venv and installs the project into it when missing (needs only python3 and make).
 
 PYTHON ?= python3
@@ -10,7 +12,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test lab student grade clean
+.PHONY: run test lab student grade hosts hosts-down clean
 
 $(VENV)/installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +36,15 @@ student: $(VENV)/installed
 grade: $(VENV)/installed
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder [TIMEOUT=900]" >&2; exit 2; }
 	$(PY) tools/grade.py "$(SUBMISSIONS)" $(if $(TIMEOUT),--timeout $(TIMEOUT))
+
+HOSTS ?= 2
+SLOTS ?= 2
+BANDWIDTH ?= 1gbit
+hosts: $(VENV)/installed
+	$(PY) -m fsdp_lesson hosts up --hosts $(HOSTS) --slots $(SLOTS) --bandwidth $(BANDWIDTH)
+
+hosts-down: $(VENV)/installed
+	$(PY) -m fsdp_lesson hosts down
 
 clean:
 	rm -rf build .pytest_cache

@@ -265,6 +265,12 @@ def build_parser() -> Parser:
         add_help=False,
     )
     commands.add_parser(
+        "hosts",
+        help="simulated hosts joined by a link of known bandwidth: hosts up | down (root; see "
+        "hosts --help)",
+        add_help=False,
+    )
+    commands.add_parser(
         "bench",
         help="measure memory, traffic and time: strategy x ranks x model (see bench --help)",
         add_help=False,
@@ -435,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         from .commbench import main as commbench_main
 
         return commbench_main(argv[1:])
+    if argv[:1] == ["hosts"]:  # simulated hosts: up and down (fsdp_lesson.hosts)
+        from .hosts import main as hosts_main
+
+        return hosts_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.command == "data":
