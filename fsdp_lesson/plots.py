@@ -149,33 +149,65 @@ def collective_picture(before: list[np.ndarray], after: list[np.ndarray], title:
 LANE_COLORS = {"compute": "#4c72b0", "comm": "#dd8452"}
 
 
-def timeline(traces: dict[str, list[list]], ax: Axes | None = None) -> Figure:
-    """One row per rank and run, compute and communication on two lanes, over one step.
+TRACE_LANES = {  # the trace's lanes, top to bottom within a rank's row, and their colours
+    "compute": LANE_COLORS["compute"],
+    "allgather": KIND_COLORS["allgather"],
+    "reduce_scatter": KIND_COLORS["reduce_scatter"],
+    "allreduce": "#8172b3",  # HSDP's replicate allreduce: not compute's blue
+}
 
-    A trace is History.trace: (lane, what, start s, end s) spans from the step's start. A
-    collective's span runs from its issue to its completion (as seen by the rank's wait).
+
+def timeline(
+    traces: dict[str, list[list]],
+    ax: Axes | None = None,
+    title: str = "one step on every rank: each unit's compute and each collective",
+) -> Figure:
+    """One row per rank and run, over one step: a lane for compute and one per collective kind
+    (allgather, reduce-scatter, allreduce), so that overlapping collectives stay apart.
+
+    A trace is History.trace: (lane, what, start s, end s) spans from the step's start, `what`
+    beginning with the collective's kind on the "comm" lane. A collective's span runs from its
+    issue to its completion (as seen by the rank's wait).
     """
     rows = [
         (label, rank, trace)
         for label, per_rank in traces.items()
         for rank, trace in enumerate(per_rank)
     ]
+    kinds = {
+        what.split()[0] for _, _, trace in rows for lane, what, _, _ in trace if lane == "comm"
+    }
+    lanes = ["compute"] + [kind for kind in TRACE_LANES if kind in kinds]
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.7 * len(rows) + 1))
+        _, ax = plt.subplots(figsize=(10, 0.25 * len(lanes) * len(rows) + 1.5))
+    height = 0.9 / len(lanes)
     for row, (_label, _rank, trace) in enumerate(rows):
-        for lane, _what, start, end in trace:
-            y = row + (0.05 if lane == "compute" else 0.45)
+        for lane, what, start, end in trace:
+            name = "compute" if lane == "compute" else what.split()[0]
+            y = row + 0.05 + height * lanes.index(name)
             ax.broken_barh(
-                [(1e3 * start, 1e3 * (end - start))], (y, 0.4), color=LANE_COLORS[lane], alpha=0.8
+                [(1e3 * start, 1e3 * (end - start))],
+                (y + 0.1 * height, 0.8 * height),
+                color=TRACE_LANES[name],
+                edgecolor="white",  # back-to-back collectives stay apart
+                linewidth=0.5,
+                alpha=0.8,
             )
+    for row in range(1, len(rows)):  # a thin line between ranks, a thick one between runs
+        new_run = rows[row][0] != rows[row - 1][0]
+        ax.axhline(row, color="black" if new_run else "#d0d0d0", lw=1.2 if new_run else 0.6)
     ax.set_yticks(np.arange(len(rows)) + 0.5, [f"{label} r{rank}" for label, rank, _ in rows])
-    ax.invert_yaxis()
+    ax.set_ylim(len(rows), 0)
     ax.set_xlabel("ms since the step began")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in LANE_COLORS.values()]
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=TRACE_LANES[lane]) for lane in lanes]
+    names = {"compute": "compute (per unit)", "reduce_scatter": "reduce-scatter"}
     ax.legend(
         handles,
-        ["compute (per unit)", "collective (issue to completion)"],
+        [names.get(lane, lane) for lane in lanes],
+        title="lanes, top to bottom\n(collectives: issue\nto completion)",
         fontsize=8,
+        title_fontsize=8,
         loc="upper left",
         bbox_to_anchor=(1, 1),
     )

@@ -29,6 +29,7 @@ from fsdp_lesson.plots import (  # noqa: E402
     shard_layout,
     step_collectives,
     step_events,
+    timeline,
     token_rows,
     traffic_bars,
 )
@@ -270,6 +271,30 @@ def test_gathered_units_draws_one_bar_per_gather_in_unit_rows():
     assert [t.get_text() for t in bottom.get_yticklabels()] == ["emb", "fc1"]
     assert len(bottom.collections) == 3
     assert list(fig.axes[0].lines[0].get_ydata()) == [live for _, live in timeline]
+
+
+def test_timeline_draws_each_collective_kind_on_its_own_lane_under_a_title():
+    trace = [  # a prefetched allgather overlapping a reduce-scatter, as zero3 records them
+        ("comm", "allgather emb", 0.000, 0.002),
+        ("compute", "backward fc1", 0.001, 0.003),
+        ("comm", "reduce_scatter fc1", 0.002, 0.005),
+        ("comm", "allgather fc1", 0.003, 0.004),
+    ]
+    ax = timeline({"prefetch": [trace, trace], "none": [trace[:2]]}).axes[0]
+    lanes = {}  # colour -> the y of its bars
+    for collection in ax.collections:
+        (x, y), *_ = collection.get_paths()[0].vertices
+        lanes.setdefault(tuple(collection.get_facecolor()[0][:3]), set()).add(round(y % 1, 6))
+    assert len(ax.collections) == 4 + 4 + 2
+    assert len(lanes) == 3 and all(len(ys) == 1 for ys in lanes.values())  # one lane per kind
+    assert len({y for ys in lanes.values() for y in ys}) == 3  # the kinds do not overlap
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "compute (per unit)",
+        "allgather",
+        "reduce-scatter",
+    ]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["prefetch r0", "prefetch r1", "none r0"]
+    assert ax.get_title()
 
 
 def test_ring_moves_follow_ring_py():
