@@ -150,8 +150,10 @@ def _first_item(a: np.ndarray, e: np.ndarray, atol: float | None) -> str:
 
 def _scalar_how(a: float, e: float) -> str:
     """How a number differs from the expected one, in words that do not give it away."""
-    if np.isnan(a):
-        return "nan"
+    if not np.isfinite(a):
+        return f"{a:g}, which is not it"
+    if not np.isfinite(e):  # an expected infinity: only the direction can be told
+        return "too large" if a > e else "too small"
     if e != 0 and a == -e:
         return "the sign is wrong"
     if abs(a - e) == 1:

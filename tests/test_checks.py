@@ -131,6 +131,16 @@ def test_check_wrong_answer_says_where_and_how_never_the_expected_value(capsys, 
         assert not any(expected in line.split(":", 1)[1] for line in out[1:]), expected
 
 
+def test_check_describes_infinities_and_nan(capsys, student):
+    assert check("n", 5, np.inf) is False and check("n", np.inf, 5) is False
+    assert check("n", np.nan, 5) is False
+    assert capsys.readouterr().out.splitlines() == [
+        "✗ n: too small",
+        "✗ n: inf, which is not it",
+        "✗ n: nan, which is not it",
+    ]
+
+
 def test_check_raises_in_a_teachers_notebook(capsys):
     with pytest.raises(CheckFailed, match="n_rows: item 2: too large"):
         check("n_rows", [2, 5, 20], [2, 5, 16])
