@@ -257,6 +257,16 @@ def build_parser() -> Parser:
         action="store_true",
         help="a fresh run (no --resume) may replace the checkpoint already in OUT/checkpoint",
     )
+    train.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=d.timeout,
+        metavar="SECONDS",
+        help="a rank that waits longer than this in one collective (another rank stopped, hung"
+        " or gone) ends every rank with one line naming the collective and the ranks that did"
+        " not arrive, exit code 4; the default is far above this lesson's longest healthy wait"
+        " (a peer's start-up or checkpoint write: seconds) and ends a stalled job in minutes",
+    )
 
     commands.add_parser(
         "commbench",
@@ -321,6 +331,7 @@ def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
         accum_reduce=args.accum_reduce,
         recompute=args.recompute,
         clip_grad_norm=args.clip_grad_norm,
+        timeout=args.timeout,
     )
     run_config = RunConfig(
         data=args.data,
@@ -358,7 +369,7 @@ def train_command(args) -> None:
     model_config, train_config, run_config = configs_from(args)
     launched_alone = launcher_rank_and_size()[1] == 1
     alone = args.strategy == "single" and launched_alone
-    comm = Comm() if alone else Comm.world(run_config.collectives)
+    comm = Comm() if alone else Comm.world(run_config.collectives, train_config.timeout)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     try:  # every refusal is agreed on, so all ranks raise it together: no hang
         together(comm, lambda: check_out(args.out), REFUSALS)

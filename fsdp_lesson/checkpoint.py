@@ -38,6 +38,7 @@ FORMAT = 4
 MAY_CHANGE = {"strategy", "steps", "log_every", "eval_batches", "samples", "memory_budget_mb"}
 MAY_CHANGE |= {"prefetch", "reshard_after_forward"}  # zero3's options that change no number
 MAY_CHANGE |= {"recompute"}  # recomputes the same bits
+MAY_CHANGE |= {"timeout"}  # how long a collective may wait (--timeout): changes no number
 # The manifest's keys and their types: anything else is a damaged or foreign manifest.
 MANIFEST_TYPES = {
     "format": int,

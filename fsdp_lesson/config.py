@@ -74,6 +74,7 @@ class TrainConfig:
     accum_reduce: str = "every"  # zero2/zero3: reduce every micro-batch, or once at the "last"
     recompute: bool = False  # keep only each block's input in forward; recompute in backward
     clip_grad_norm: float | None = None  # scale the gradient down to this global norm at most
+    timeout: float = 300.0  # seconds a collective may wait before the job ends (comm.py, exit 4)
 
     def __post_init__(self) -> None:
         if self.lr is None and self.optimizer in DEFAULT_LR:
@@ -126,6 +127,10 @@ class TrainConfig:
         _require(
             self.clip_grad_norm is None or 0 < self.clip_grad_norm < math.inf,
             f"clip_grad_norm must be a positive finite number, got {self.clip_grad_norm}",
+        )
+        _require(
+            isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf,
+            f"timeout must be a positive finite number of seconds, got {self.timeout}",
         )
         _require(
             self.accum_reduce in ACCUM_REDUCE,

@@ -30,10 +30,77 @@ RANK_ENV: dict[str, str] = {
     "MPI4PY_RC_THREAD_LEVEL": "multiple",
 }
 
+# A local run talks to nobody but itself, so its ranks listen on loopback only: a laptop on a
+# classroom's Wi-Fi exposes nothing. Left alone, MPICH's default netmod (UCX) listens on every
+# interface, and its other one (libfabric, MPIR_CVAR_CH4_NETMOD=ofi) on the first it finds.
+# Not set for a job that spans hosts (`mpiexec -f hosts`, srun on several nodes), which needs
+# the real interfaces, nor with FSDP_LESSON_ALL_INTERFACES=1 (README, "Running on more than one
+# machine"). hydra's own control port (mpiexec's PMI server) cannot be bound here: hydra
+# listens on all interfaces whatever -iface or HYDRA_IFACE say (they only choose the address
+# it announces), for as long as mpiexec runs; mpiexec.gforker, in the same wheel, listens on
+# nothing (docs/architecture.md, "Local runs listen on loopback").
+LOOPBACK_ENV: dict[str, str] = {
+    "UCX_NET_DEVICES": "lo",  # UCX: its tcp transport on the loopback device only
+    "FI_PROVIDER": "tcp",  # libfabric: the tcp provider ...
+    "FI_TCP_IFACE": "lo",  # ... on the loopback device
+}
+ALL_INTERFACES = "FSDP_LESSON_ALL_INTERFACES"  # 1: leave MPI's interfaces as MPI chooses
+LOOPBACK_SET = "FSDP_LESSON_LOOPBACK"  # the LOOPBACK_ENV names a launch here set, comma-separated
+RANK_ENV |= LOOPBACK_ENV | {LOOPBACK_SET: ",".join(LOOPBACK_ENV)}
+
+
+def one_host(env: Mapping[str, str] = os.environ) -> bool | None:
+    """Whether this process's MPI job runs on this host only, as its launcher announced it.
+
+    True for a process that no launcher started (it is the launcher, or runs alone); False or
+    True from hydra's, Open MPI's or Slurm's local rank count; None for a launcher that says
+    nothing about hosts.
+    """
+    for local, size in [
+        ("MPI_LOCALNRANKS", "PMI_SIZE"),  # MPICH's hydra
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
+    ]:
+        if local in env and size in env:
+            return env[local] == env[size]
+    for nodes in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+        if nodes in env:
+            return env[nodes] == "1"
+    launched = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+    return None if any(name in env for name in launched) else True
+
+
+def wants_all_interfaces(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(ALL_INTERFACES, "").strip().lower() not in ("", "0", "no", "false")
+
 
 def rank_settings(base: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The launch settings of a rank: base's value where base has one."""
-    return {name: base.get(name, value) for name, value in RANK_ENV.items()}
+    """The launch settings of a rank: base's value where base has one.
+
+    The loopback settings only where the job stays on this host (one_host) and the user has
+    not asked for every interface; LOOPBACK_SET names those this call adds.
+    """
+    settings = {name: base.get(name, value) for name, value in RANK_ENV.items()}
+    for name in (*LOOPBACK_ENV, LOOPBACK_SET):
+        del settings[name]
+    if one_host(base) is True and not wants_all_interfaces(base):
+        added = [name for name in LOOPBACK_ENV if name not in base]
+        settings |= {name: base.get(name, value) for name, value in LOOPBACK_ENV.items()}
+        inherited = [n for n in base.get(LOOPBACK_SET, "").split(",") if n in LOOPBACK_ENV]
+        settings[LOOPBACK_SET] = ",".join(n for n in LOOPBACK_ENV if n in added + inherited)
+    return settings
+
+
+def drop_inherited_loopback(env=os.environ) -> None:
+    """Before MPI starts in a rank: if its job spans hosts, or FSDP_LESSON_ALL_INTERFACES is set,
+    drop the loopback settings a launcher of this project passed on (a `python -m fsdp_lesson`
+    process, or a test, that started `mpiexec -f hosts ...`), which would keep the ranks from
+    reaching each other; values the user set stay."""
+    if one_host(env) is not False and not wants_all_interfaces(env):
+        return
+    for name in env.get(LOOPBACK_SET, "").split(","):
+        if name in LOOPBACK_ENV and env.get(name) == LOOPBACK_ENV[name]:
+            del env[name]
+    env.pop(LOOPBACK_SET, None)
 
 
 def rank_env(base: Mapping[str, str] = os.environ) -> dict[str, str]:

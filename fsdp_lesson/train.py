@@ -328,6 +328,7 @@ def run(
         return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
 
     data = together(comm, prepare, REFUSALS)
+    comm.timeout = tc.timeout  # validated: from here each collective waits at most this long
     settings = comm.allgather_objects((asdict(model_config), tc.to_dict()))
     if any(other != settings[0] for other in settings):  # every rank sees the same list
         raise ConfigError("the ranks were started with different settings: give all the same flags")
