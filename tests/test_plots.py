@@ -352,3 +352,24 @@ def test_activation_vs_batch_draws_measured_points_on_predicted_lines():
     lines = fig.axes[0].get_lines()
     assert [list(line.get_ydata()) for line in lines] == [[10, 20], [10, 20]]
     fig.canvas.draw()
+
+
+def test_precision_curves_draws_the_reference_solid_and_the_differences_below():
+    from fsdp_lesson.plots import precision_curves
+
+    losses = np.linspace(3, 2, 300)
+    fig = precision_curves({"fp32": losses, "bf16": losses + 0.01}, margin=0.02, smooth=10)
+    top, bottom = fig.axes
+    assert [line.get_linestyle() for line in top.lines] == ["-", "--"]
+    (difference,) = [line for line in bottom.lines if line.get_label() == "bf16 − fp32"]
+    assert np.allclose(difference.get_ydata(), 0.01)
+
+
+def test_loss_scale_marks_every_skipped_step():
+    from fsdp_lesson.plots import loss_scale
+
+    scales, skipped = [2.0**20, 2.0**19, 2.0**19, 2.0**20], [True, False, False, False]
+    ax = loss_scale(scales, skipped).axes[0]
+    marks = ax.lines[1]
+    assert list(marks.get_xdata()) == [0] and list(marks.get_ydata()) == [20]
+    assert "(1)" in marks.get_label()
