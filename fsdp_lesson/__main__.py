@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -362,13 +363,63 @@ def check_out(out: Path | None) -> None:
         raise ConfigError(f"--out {out} is not writable: choose another --out")
 
 
+def check_flags(args) -> None:
+    """Flags each fine alone that together would run something other than asked: refused
+    before any work, the same on every rank."""
+    from .model import MLP
+
+    layers = [layer.name for layer in MLP(ModelConfig(layers=args.layers)).layers if layer.shapes]
+    if args.layers_per_unit > len(layers):
+        raise UsageError(
+            f"error: argument --layers-per-unit: {args.layers_per_unit} is more than the "
+            f"model's {len(layers)} layers with parameters ({', '.join(layers)}): use at most "
+            f"{len(layers)}, which makes the whole model one unit"
+        )
+    if args.trace_step is not None and args.strategy != "zero3":
+        raise UsageError(
+            "error: argument --trace-step: only zero3 records a step's spans (its gathers and "
+            "reduce-scatters beside its compute): use it with --strategy zero3"
+        )
+    if args.trace_step is not None and args.trace_step >= args.steps:
+        last = f"the last is {args.steps - 1}" if args.steps else "--steps 0 runs none"
+        raise UsageError(
+            f"error: argument --trace-step: step {args.trace_step} is past the last step "
+            f"({last}; steps count from 0): choose a step below {args.steps} or more --steps"
+        )
+
+
+def start_mpi() -> None:
+    """Initialise MPI with the kernel's own action for SIGINT and SIGTERM, then restore ours.
+
+    mpi4py calls MPI_Init_thread as it is imported, holding the GIL, and MPI_Init waits for
+    every rank. A signal then wakes the thread that ends the rank with one line (launch.py),
+    but that thread cannot run before MPI_Init returns, which it never does once another rank
+    has ended (mpiexec passes a SIGTERM to the ranks one by one): 4 of 18 SIGTERMs that came
+    0.85-1.1 s into a 4-rank start left the job waiting forever. During MPI_Init a signal now
+    ends the rank at once (with no line); before and after it, as launch.py says.
+    """
+    from .launch import drop_inherited_loopback
+
+    drop_inherited_loopback()  # as Comm.world does: MPI reads its environment as it starts
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        from mpi4py import MPI  # noqa: F401  (MPI_Init_thread)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def train_command(args) -> None:
+    from .checkpoint import write_atomically, write_failure
     from .comm import Comm, together
     from .train import REFUSALS, Diverged, run
 
+    check_flags(args)
     model_config, train_config, run_config = configs_from(args)
     launched_alone = launcher_rank_and_size()[1] == 1
     alone = args.strategy == "single" and launched_alone
+    if not alone:
+        start_mpi()
     comm = Comm() if alone else Comm.world(run_config.collectives, train_config.timeout)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     try:  # every refusal is agreed on, so all ranks raise it together: no hang
@@ -414,18 +465,32 @@ def train_command(args) -> None:
 
     params = strategy.full_params()  # a collective under sharding: every rank takes part
     per_rank = comm.gather_objects({"memory": history.memory, "traffic": history.traffic})
-    if args.out is not None and comm.rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
+
+    def write_out() -> None:  # as checkpoints are written: no torn file, even on a full disk
+        if args.out is None or comm.rank != 0:
+            return
         record = history.to_dict() | {
             "memory": [r["memory"] for r in per_rank],
             "traffic": [r["traffic"] for r in per_rank],
         }
-        (args.out / "history.json").write_text(json.dumps(record, indent=1, allow_nan=False))
-        np.savez(
-            args.out / "params.npz",
-            **{f"{layer}.{k}": v for layer, p in params.items() for k, v in p.items()},
-        )
+        text = json.dumps(record, indent=1, allow_nan=False).encode()
+        arrays = {f"{layer}.{k}": v for layer, p in params.items() for k, v in p.items()}
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+            write_atomically(
+                {
+                    args.out / "history.json": lambda f: f.write(text),
+                    args.out / "params.npz": lambda f: np.savez(f, **arrays),
+                }
+            )
+        except OSError as err:
+            raise ConfigError(write_failure(err)) from None
         say(f"wrote {args.out / 'history.json'} and {args.out / 'params.npz'}")
+
+    try:  # rank 0 writes; every rank ends with its exit code
+        together(comm, write_out, REFUSALS)
+    except REFUSALS as err:
+        raise UsageError(f"error: {err}") from None
 
 
 def data_command(args) -> int:
@@ -434,7 +499,7 @@ def data_command(args) -> int:
             digest = build_names_file(args.path)
             print(f"rebuilt {args.path} from the SSA baby names")
         else:
-            digest = sha256_of(args.path)
+            digest = sha256_of(args.path, flag="--path")  # a regular file, as train reads
     except DataError as err:
         raise UsageError(f"error: {err}") from None
     status = "matches" if digest == NAMES_SHA256 else "DIFFERS from"

@@ -19,18 +19,26 @@ and `find_checkpoint` picks the newest complete one.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from .comm import Comm, together
 from .data import DataError, sha256_of
+from .flat import FlatParam
 from .rng import Rng
+from .sharding import STRATEGIES
 from .strategies import Strategy
+from .units import make_units
 
 FORMAT = 4
 # TrainConfig fields a resumed run may change; everything else must match the checkpoint.
@@ -54,6 +62,8 @@ MANIFEST_TYPES = {
     "files": dict,
 }
 SUFFIXES = ("", ".partial", ".old")  # where a checkpoint may be found after a crash
+MANIFEST_MAX_BYTES = 2**24  # a manifest takes kilobytes (its rank files' names and digests)
+MAX_WORLD_SIZE = 2**20  # ranks a checkpoint may name: far beyond any run of this lesson
 
 
 class CheckpointError(ValueError):
@@ -77,9 +87,63 @@ def owned_shards(strategy: Strategy) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _write_bytes(path: Path, data: bytes) -> None:
+def write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Create the file at path with write(f), and return only once it is on the disk (fsync):
+    a crash after a rename that follows cannot leave it empty or short."""
     with open(path, "wb") as f:
-        f.write(data)
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    write_durably(path, lambda f: f.write(data))
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a directory's renames durable; a filesystem that cannot fsync a directory (some
+    network ones) is left to do its best."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomically(files: dict[Path, Callable[[BinaryIO], object]]) -> None:
+    """Replace every file of `files` (path -> write(f)) as checkpoints are written: each to a
+    temporary name beside it, fsync'ed; only once all are complete are they renamed into
+    place. A failure (a full disk) removes the temporaries and leaves the files that were
+    there, never a torn one; the OSError raised names the file (err.filename)."""
+    temporaries: dict[Path, Path] = {}
+    try:
+        for path, write in files.items():
+            temporaries[path] = path.with_name(f".{path.name}.{os.getpid()}.partial")
+            try:
+                write_durably(temporaries[path], write)
+            except OSError as err:
+                err.filename = str(path)
+                raise
+    except BaseException:
+        for temporary in temporaries.values():
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+        raise
+    for path, temporary in temporaries.items():
+        os.replace(temporary, path)
+    for directory in {path.parent for path in files}:
+        _fsync_directory(directory)
+
+
+def write_failure(err: OSError, flag: str = "--out") -> str:
+    """One line for a failed write: 'no space left on device writing DIR/params.npz: free
+    space or choose another --out'."""
+    reason = err.strerror or type(err).__name__
+    reason = reason[:1].lower() + reason[1:]
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    fix = f"free space or choose another {flag}" if full else f"choose another {flag}"
+    return f"{reason} writing {err.filename}: {fix}"
 
 
 def save_checkpoint(
@@ -107,8 +171,7 @@ def save_checkpoint(
 
     def write_shard() -> tuple[str, str]:
         path = partial / rank_file(comm.rank, comm.size)
-        with open(path, "wb") as f:
-            np.savez(f, **owned_shards(strategy))
+        write_durably(path, lambda f: np.savez(f, **owned_shards(strategy)))
         return path.name, sha256_of(path)
 
     _agree_on_io(comm, prepare, final)
@@ -117,7 +180,8 @@ def save_checkpoint(
     def write_manifest() -> None:
         if comm.rank != 0:
             return
-        np.save(partial / "losses.npy", np.asarray(losses[:step], dtype=np.float64))
+        losses_so_far = np.asarray(losses[:step], dtype=np.float64)
+        write_durably(partial / "losses.npy", lambda f: np.save(f, losses_so_far))
         files = dict(digests) | {"losses.npy": sha256_of(partial / "losses.npy")}
         manifest = {
             "format": FORMAT,
@@ -138,11 +202,13 @@ def save_checkpoint(
         text = json.dumps(manifest, indent=1).encode()
         _write_bytes(partial / "manifest.json", text)
         _write_bytes(partial / "manifest.sha256", hashlib.sha256(text).hexdigest().encode())
+        _fsync_directory(partial)  # its files' names, before it becomes the checkpoint
         old = final.with_name(final.name + ".old")
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(partial, final)
+        _fsync_directory(final.parent)
         shutil.rmtree(old, ignore_errors=True)
 
     _agree_on_io(comm, write_manifest, final)
@@ -184,16 +250,26 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     path, checksum = directory / "manifest.json", directory / "manifest.sha256"
     if not path.is_file():
         raise CheckpointError(f"{directory}: no manifest.json, so not a (complete) checkpoint")
+    if path.stat().st_size > MANIFEST_MAX_BYTES:
+        raise CheckpointError(
+            f"{path} is {path.stat().st_size:,} bytes, not a manifest (they take kilobytes): "
+            f"this checkpoint cannot be trusted; resume from another one or start afresh"
+        )
     text = path.read_bytes()
-    if not checksum.is_file() or checksum.read_text().strip() != hashlib.sha256(text).hexdigest():
+    if not checksum.is_file() or checksum.read_bytes()[:100].strip() != (
+        hashlib.sha256(text).hexdigest().encode()
+    ):
         raise CheckpointError(
             f"{path} does not match manifest.sha256 (edited or damaged): this checkpoint "
             f"cannot be trusted; resume from another one or start afresh"
         )
     try:
         manifest = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is corrupted ({err}); save the checkpoint again") from None
+    except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deep
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{path} is corrupted ({reason}); save the checkpoint again"
+        ) from None
     _validate(manifest, path)
     for name, digest in manifest["files"].items():
         if not (directory / name).is_file() or sha256_of(directory / name) != digest:
@@ -229,10 +305,23 @@ def _validate(manifest, path: Path) -> None:
     n, step = manifest["world_size"], manifest["step"]
     if n < 1 or step < 0 or manifest["optimizer_steps"] < 0:
         raise bad(f"world_size {n}, step {step}: out of range")
+    if n > MAX_WORLD_SIZE or len(manifest["files"]) != n + 1:  # before anything is built from n
+        present = sum(1 for p in path.parent.glob("rank*-of-*.npz"))
+        raise bad(
+            f"world_size {n}, but it lists {len(manifest['files']) - 1} shard files and the "
+            f"directory holds {present}: its files are not the {n} ranks' shards"
+        )
+    if manifest["optimizer_steps"] > step:  # one optimizer step per step at most
+        raise bad(f"'optimizer_steps' {manifest['optimizer_steps']} is more than its {step} steps")
+    if manifest["strategy"] not in STRATEGIES:
+        raise bad(f"'strategy' {manifest['strategy']!r} is none of {', '.join(STRATEGIES)}")
+    units = manifest["train_config"].get("layers_per_unit", 1)
+    if not isinstance(units, int) or isinstance(units, bool) or units < 1:
+        raise bad(f"'layers_per_unit' is {units!r}, not a positive integer")
     scaler = manifest["loss_scaler"]
     if scaler and not (
         isinstance(scaler.get("scale"), float)
-        and scaler["scale"] > 0
+        and 0 < scaler["scale"] < float("inf")
         and isinstance(scaler.get("good_steps"), int)
         and scaler["good_steps"] >= 0
     ):
@@ -254,7 +343,8 @@ def check_compatible(
             f"the checkpoint is of another model ({manifest['model_config']}), not "
             f"{model_config}: resume with the flags it was saved with"
         )
-    may_change = MAY_CHANGE | ({"batch"} if reshard else set())
+    # the units are a layout, as the strategy and N are: they are compared below
+    may_change = MAY_CHANGE | {"layers_per_unit"} | ({"batch"} if reshard else set())
     differ = {
         k
         for k, v in train_config.items()
@@ -266,19 +356,146 @@ def check_compatible(
         raise CheckpointError(
             f"the checkpoint was saved with {saved}: resume with the same settings{hint}"
         )
-    same_layout = (
-        manifest["strategy"] == strategy.name and manifest["world_size"] == strategy.comm.size
+    saved_units = manifest["train_config"].get("layers_per_unit", 1)
+    units = train_config.get("layers_per_unit", 1)
+    same_layout = (manifest["strategy"], manifest["world_size"], saved_units) == (
+        strategy.name,
+        strategy.comm.size,
+        units,
     )
     if not same_layout and not reshard:
+
+        def with_units(k: int) -> str:
+            return "" if k == 1 else f" with --layers-per-unit {k}"
+
         raise CheckpointError(
-            f"the checkpoint was saved by {manifest['strategy']} on {manifest['world_size']} "
-            f"ranks, this run is {strategy.name} on {strategy.comm.size}: pass --reshard to "
-            f"convert it"
+            f"the checkpoint was saved by {manifest['strategy']}{with_units(saved_units)} on "
+            f"{manifest['world_size']} ranks, this run is {strategy.name}{with_units(units)} on "
+            f"{strategy.comm.size}: pass --reshard to convert it"
         )
     if manifest["step"] > train_config["steps"]:  # equal is fine: evaluate and sample
         raise CheckpointError(
             f"the checkpoint is at step {manifest['step']}, past this run's last step "
             f"{train_config['steps']}: ask for more steps (--steps) to train on from it"
+        )
+
+
+def saved_layout(manifest: dict, model) -> dict[str, tuple[tuple[str, ...], FlatParam]]:
+    """How a checkpoint lays out its state: each saved name (a layer, or a zero3 unit of
+    --layers-per-unit K layers) -> (its layers, its FlatParam over the saved N ranks)."""
+    n, k = manifest["world_size"], manifest["train_config"].get("layers_per_unit", 1)
+    if manifest["strategy"] == "zero3" and k > 1:
+        return {unit.name: (unit.layers, unit.flat) for unit in make_units(model.layers, k, n)}
+    return {layer.name: ((layer.name,), FlatParam(layer.shapes, n)) for layer in model.layers}
+
+
+def read_shard(path: Path, saved: dict, needed: set[str]) -> dict[str, np.ndarray]:
+    """One rank's file: every saved name's `needed` states ("fc1.m"), each checked to be the
+    float32 slice that layout says, before anything is built from it."""
+
+    def damaged(what: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path} is a damaged checkpoint ({what}): resume from another one or start afresh"
+        )
+
+    arrays = {}
+    try:
+        with np.load(path) as f:  # allow_pickle=False: an object array is refused, not run
+            missing = sorted(
+                f"{name}.{what}" for name in saved for what in needed if f"{name}.{what}" not in f
+            )
+            if missing:
+                raise CheckpointError(
+                    f"{path.parent}: the shards lack {missing}: resume with the same optimizer"
+                )
+            for name, (_, flat) in saved.items():
+                for what in needed:
+                    key = f"{name}.{what}"
+                    array = f[key]
+                    if array.dtype != np.float32 or array.shape != (flat.shard_size,):
+                        raise damaged(
+                            f"{key} is {array.dtype} of shape {array.shape}, not float32 of "
+                            f"shape ({flat.shard_size},)"
+                        )
+                    arrays[key] = array
+    except CheckpointError:
+        raise
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise damaged(f"it cannot be read: {reason}") from None
+    return arrays
+
+
+def to_layers(shards: list[dict], saved: dict, needed: set[str]) -> dict[str, np.ndarray]:
+    """Every layer's whole (unpadded) vector of every state ("fc1.m"), from the slices of any
+    N ranks. A unit's vector is its layers' vectors one after another (units.py), so a
+    checkpoint of zero3 units converts to layers by cutting it."""
+    vectors = {}
+    for name, (layers, flat) in saved.items():
+        sizes = _layer_sizes(flat, layers)
+        for what in needed:
+            whole = np.concatenate([shard[f"{name}.{what}"] for shard in shards])[: flat.numel]
+            start = 0
+            for layer in layers:
+                vectors[f"{layer}.{what}"] = whole[start : start + sizes[layer]]
+                start += sizes[layer]
+    return vectors
+
+
+def _layer_sizes(flat: FlatParam, layers: tuple[str, ...]) -> dict[str, int]:
+    """Each layer's number of parameters in a flat layout: a layer's own ("W", "b") or a
+    unit's ("fc1.W", "fc1.b", "fc2.W", ...)."""
+    if len(layers) == 1:
+        return {layers[0]: flat.numel}
+    return {
+        layer: sum(n for key, n in flat.sizes.items() if key.rsplit(".", 1)[0] == layer)
+        for layer in layers
+    }
+
+
+def to_layout(vectors: dict[str, np.ndarray], strategy: Strategy) -> dict[str, np.ndarray]:
+    """The whole vectors of strategy.local_state()'s keys: a layer's as it is; a zero3 unit's
+    (--layers-per-unit K) its layers' vectors one after another."""
+    groups = {unit.name: unit.layers for unit in getattr(strategy, "units", ())}
+    out = {}
+    for key in strategy.local_state():
+        name, what = key.rsplit(".", 1)
+        parts = [vectors[f"{layer}.{what}"] for layer in groups.get(name, (name,))]
+        out[key] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return out
+
+
+def read_losses(directory: Path, step: int) -> np.ndarray:
+    """losses.npy: the float64 global loss of each of the checkpoint's `step` steps."""
+    path = directory / "losses.npy"
+    try:
+        losses = np.load(path)  # allow_pickle=False
+    except (ValueError, OSError, EOFError) as err:
+        losses = err
+    if not isinstance(losses, np.ndarray) or losses.dtype != np.float64 or losses.shape != (step,):
+        what = losses if isinstance(losses, Exception) else f"{losses.dtype} {losses.shape}"
+        raise CheckpointError(
+            f"{path} is a damaged checkpoint ({what}, not the float64 loss of each of its "
+            f"{step} steps): resume from another one or start afresh"
+        )
+    return losses
+
+
+def _check_rng_state(state: dict, directory: Path) -> None:
+    """The glibc stream's state (--c-compat) is 31 words and a position: anything else would
+    fail only later, mid-run. (numpy's own state is checked by numpy when it is set.)"""
+    if "glibc_ring" not in state:
+        return
+    ring, pos = state["glibc_ring"], state.get("glibc_pos")
+    words = isinstance(ring, list) and len(ring) == 31
+    if not (
+        words
+        and all(isinstance(w, int) and 0 <= w < 2**32 for w in ring)
+        and isinstance(pos, int)
+        and 0 <= pos < 31
+    ):
+        raise CheckpointError(
+            f"{directory}: its RNG state cannot be restored (not 31 words and a position)"
         )
 
 
@@ -300,12 +517,14 @@ def load_checkpoint(
         read_manifest(directory)  # raises the reason the directory itself is no checkpoint
     manifest = read_manifest(found)
     check_compatible(manifest, strategy, model_config, train_config, reshard)
-    saved_n = manifest["world_size"]
-    shards = [np.load(found / rank_file(r, saved_n)) for r in range(saved_n)]
-    missing = [key for key in strategy.local_state() if key not in shards[0].files]
-    if missing:
-        raise CheckpointError(f"{found}: the shards lack {missing}: resume with the same optimizer")
-    vectors = {key: np.concatenate([s[key] for s in shards]) for key in strategy.local_state()}
+    saved = saved_layout(manifest, strategy.model)
+    needed = {key.rsplit(".", 1)[1] for key in strategy.local_state()}  # params, m, v
+    n = manifest["world_size"]
+    shards = [read_shard(found / rank_file(r, n), saved, needed) for r in range(n)]
+    vectors = to_layout(to_layers(shards, saved, needed), strategy)
+    del shards  # the whole vectors are views of them, or copies
+    manifest["losses"] = read_losses(found, manifest["step"])
+    _check_rng_state(manifest["rng"], found)
     strategy.load_state(vectors, manifest["optimizer_steps"])
     if strategy.scaler is not None and manifest["loss_scaler"]:  # fp16: the scale goes on
         strategy.scaler.scale = manifest["loss_scaler"]["scale"]
@@ -314,6 +533,5 @@ def load_checkpoint(
         rng.set_state(manifest["rng"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{found}: its RNG state cannot be restored ({err})") from None
-    manifest["losses"] = np.load(found / "losses.npy")
     manifest["path"] = str(found)
     return manifest

@@ -342,15 +342,19 @@ class Ranks:
         err = per_rank[rank].exception()
         ename = getattr(err, "ename", type(err).__name__)
         evalue = getattr(err, "evalue", str(err))
-        note = ""
+        note, shown = "", err  # shown: the exception whose traceback the message carries
         if ename == "EngineError":
             rank, evalue = self._lost_rank(default=rank)
             note = self._recover("An engine died, and that ends the MPI job of all the engines")
+            # the traceback shown is the lost rank's own, not that of the lowest rank whose
+            # engine went down with the job ("rank 0 (engine 0) died" under a rank-2 header)
+            lost = per_rank[rank]
+            shown = lost.exception() if lost.done() else None
         elif stuck:
             note = self._recover(
                 f"Ranks {stuck} were still running, probably waiting for rank {rank} in MPI"
             )
-        remote_tb = _strip_ansi(getattr(err, "traceback", None) or "")
+        remote_tb = _strip_ansi(getattr(shown, "traceback", None) or "")
         # ipyparallel names engines by id, this message by rank: say both, one way
         remote_tb = re.sub(r"\bEngine (\d+)\b", lambda m: _as_rank(targets, m), remote_tb)
         detail = note + (f"\n\nTraceback on rank {rank}:\n{remote_tb}" if remote_tb else "")
