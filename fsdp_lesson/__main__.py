@@ -463,7 +463,9 @@ def train_command(args) -> None:
     for line in history.samples:
         say(line)
 
-    params = strategy.full_params()  # a collective under sharding: every rank takes part
+    # a collective under sharding: every rank takes part, one layer gathered at a time, and only
+    # when params.npz is asked for; only rank 0, which writes it, keeps the copies
+    params = strategy.full_params(root=0) if args.out is not None else {}
     per_rank = comm.gather_objects({"memory": history.memory, "traffic": history.traffic})
 
     def write_out() -> None:  # as checkpoints are written: no torn file, even on a full disk

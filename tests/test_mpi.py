@@ -7,6 +7,7 @@ wrote with `single` computed here: equivalence, memory to the byte, traffic to t
 import json
 import math
 import pickle
+import re
 from functools import cache
 from pathlib import Path
 
@@ -377,3 +378,27 @@ def test_each_strategy_shards_what_it_declares(world):
             for category, sharded in zip(("params", "grads", "optimizer"), expected, strict=True):
                 want = per_param[category] * (shard if sharded else full)
                 assert peak[category] == want, f"{name} N={n} rank {rank} {category}"
+
+
+GATHER_TO_ROOT = """
+import numpy as np
+from fsdp_lesson.comm import Comm
+from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.train import run
+comm = Comm.world()
+_, strategy = run(ModelConfig(), TrainConfig(strategy="zero3", steps=2, batch=24, eval_batches=0,
+                                             samples=0), comm=comm)
+everywhere, at_root = strategy.full_params(), strategy.full_params(root=0)
+same = all(np.array_equal(at_root[layer][k], v) for layer, p in everywhere.items()
+           for k, v in p.items()) if comm.rank == 0 else at_root == {}
+print(f"rank {comm.rank}: {same}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_full_params_to_the_root_gathers_there_only(n):
+    """The end of a run writes params.npz from rank 0's copy: the other ranks keep nothing."""
+    result = mpiexec(n, "-c", GATHER_TO_ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = sorted(re.findall(r"rank \d+: (?:True|False)", result.stdout))  # lines may run together
+    assert said == [f"rank {r}: True" for r in range(n)]

@@ -212,11 +212,18 @@ class Strategy:
         """optimizer.step(): update the parameters this rank owns."""
         raise NotImplementedError
 
-    def full_params(self) -> dict[str, Params]:
-        """Every layer's parameters as shaped copies, identical on all ranks (a collective)."""
+    def full_params(self, root: int | None = None) -> dict[str, Params]:
+        """Every layer's parameters as shaped copies, identical on all ranks (a collective).
+
+        One layer is gathered at a time. With `root`, only that rank keeps the copies (the
+        others return {}): a model that fits only sharded is written out without a whole
+        copy on every rank.
+        """
         out = {}
         for layer in self.model.layers:
-            out[layer.name] = {k: v.copy() for k, v in self.materialize(layer).items()}
+            views = self.materialize(layer)
+            if root is None or self.comm.rank == root:
+                out[layer.name] = {k: v.copy() for k, v in views.items()}
             self.release(layer)
         return out
 
