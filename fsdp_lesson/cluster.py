@@ -213,7 +213,7 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
     try:
         if owned:
             cluster.start_cluster_sync()
-            _stop_when_gone(os.getpid(), cluster.cluster_file)
+            stop_when_gone(os.getpid(), cluster.cluster_file)
         client = cluster.connect_client_sync(timeout=timeout)
     except Exception as err:
         if owned:
@@ -462,7 +462,7 @@ def stop_cluster(cluster: ipp.Cluster) -> None:
         cluster.stop_cluster_sync()  # and the cluster file
 
 
-def _stop_when_gone(pid: int, cluster_file: str) -> None:
+def stop_when_gone(pid: int, cluster_file: str) -> None:
     """Start a watchdog that stops the cluster once process `pid` ends, even if it is killed
     (atexit runs only on a clean exit; nbval and a kernel restart kill the kernel)."""
     subprocess.Popen(
@@ -526,5 +526,5 @@ def _strip_ansi(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
-if __name__ == "__main__":  # the watchdog process of _stop_when_gone
+if __name__ == "__main__":  # the watchdog process of stop_when_gone
     _watchdog(int(sys.argv[1]), sys.argv[2])

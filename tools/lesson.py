@@ -33,7 +33,7 @@ def mpi_cluster(n: int = N_ENGINES):
     import ipyparallel as ipp
     from traitlets.config import Config
 
-    from fsdp_lesson.cluster import stop_cluster
+    from fsdp_lesson.cluster import stop_cluster, stop_when_gone
 
     # cluster_id "" is what `ipcluster start` uses: the notebooks' connect() finds this one;
     # its engines get the ranks' launch settings (fsdp_lesson/launch.py)
@@ -49,6 +49,9 @@ def mpi_cluster(n: int = N_ENGINES):
     print(f"starting a local cluster of {n} MPI engines ...", flush=True)
     try:
         cluster.start_cluster_sync()
+        # killed outright (SIGKILL, a crashed CI runner), this process runs no `finally`: a
+        # watchdog of its own stops the cluster once this process is gone
+        stop_when_gone(os.getpid(), cluster.cluster_file)
         with cluster.connect_client_sync() as client:
             client.wait_for_engines(n, timeout=START_TIMEOUT)
         yield cluster
@@ -151,6 +154,7 @@ def run_lab() -> int:
 def main() -> int:
     # A terminated job (CI's timeout, a closed terminal) still stops its cluster: exit via finally.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     # Everything started from here (the cluster's engines, kernels, pytest and the tests'
     # mpiexec) inherits the ranks' environment (fsdp_lesson/launch.py says what and why).
     os.environ.update(rank_settings())
