@@ -1,6 +1,7 @@
 """tools/lesson.py (make test / make run) stops the cluster it started, however it ends: a
 SIGTERM (CI's time-out), a SIGHUP (a closed terminal) or a SIGKILL (no `finally` runs at all)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -37,7 +38,8 @@ def test_the_cluster_is_stopped_whatever_ends_lesson_py(tmp_path, sig):
     slow.write_text("import time\n\ndef test_wait():\n    time.sleep(120)\n")
     job = subprocess.Popen(
         [sys.executable, str(ROOT / "tools" / "lesson.py"), "test", str(slow)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: the finally below ends all of it
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
@@ -53,8 +55,8 @@ def test_the_cluster_is_stopped_whatever_ends_lesson_py(tmp_path, sig):
         left = cluster_processes(ipython_dir)
         assert not left, f"left running after {sig.name}: {[p.pid for p in left]}"
     finally:
-        for proc in [job, *cluster_processes(ipython_dir)]:
-            try:
+        with contextlib.suppress(ProcessLookupError):  # pytest under a SIGKILLed lesson.py
+            os.killpg(job.pid, signal.SIGKILL)
+        for proc in cluster_processes(ipython_dir):
+            with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
