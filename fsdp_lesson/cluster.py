@@ -462,10 +462,10 @@ def stop_cluster(cluster: ipp.Cluster) -> None:
         cluster.stop_cluster_sync()  # and the cluster file
 
 
-def stop_when_gone(pid: int, cluster_file: str) -> None:
+def stop_when_gone(pid: int, cluster_file: str) -> subprocess.Popen:
     """Start a watchdog that stops the cluster once process `pid` ends, even if it is killed
     (atexit runs only on a clean exit; nbval and a kernel restart kill the kernel)."""
-    subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "fsdp_lesson.cluster", str(pid), cluster_file],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

@@ -47,16 +47,20 @@ def mpi_cluster(n: int = N_ENGINES):
         config=Config(environment),
     )
     print(f"starting a local cluster of {n} MPI engines ...", flush=True)
+    watchdog = None
     try:
         cluster.start_cluster_sync()
         # killed outright (SIGKILL, a crashed CI runner), this process runs no `finally`: a
         # watchdog of its own stops the cluster once this process is gone
-        stop_when_gone(os.getpid(), cluster.cluster_file)
+        watchdog = stop_when_gone(os.getpid(), cluster.cluster_file)
         with cluster.connect_client_sync() as client:
             client.wait_for_engines(n, timeout=START_TIMEOUT)
         yield cluster
     finally:
         stop_cluster(cluster)
+        if watchdog is not None:  # nothing left for it to stop
+            watchdog.terminate()
+            watchdog.wait(timeout=10)
         print("cluster stopped", flush=True)
 
 
