@@ -38,9 +38,15 @@ def one_clean_line(result, text: str) -> None:
     assert "Traceback" not in result.stderr, result.stderr
 
 
-def alive(pattern: str) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
-    return found.stdout.split()
+def alive(pattern: str, grace: float = 5.0) -> list[str]:
+    """Processes matching pattern still running after grace seconds (killed ranks may
+    take a moment to exit after mpiexec has returned)."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+        if not found.stdout.split() or time.monotonic() > deadline:
+            return found.stdout.split()
+        time.sleep(0.1)
 
 
 # --- one rank fails: the job ends everywhere, in seconds -----------------------------------
