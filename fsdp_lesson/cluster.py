@@ -154,14 +154,28 @@ def _check_engine_count(cluster: ipp.Cluster, n: int, fix: str) -> None:
         )
 
 
-def _recorded_engine_sets(profile: str) -> int:
-    """How many engine sets the profile's cluster file records (from_file drops dead ones)."""
+def _cluster_record(profile: str) -> dict:
+    """The profile's cluster file as last written (from_file rewrites it without dead parts)."""
     path = ipp.Cluster(profile=profile, cluster_id="", log=_log).cluster_file
     try:
         with open(path) as f:
-            return len((json.load(f).get("engines") or {}).get("sets", {}))
+            record = json.load(f)
     except (OSError, ValueError):
-        return 0
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _stop_what_a_dead_controller_left(record: dict, cluster: ipp.Cluster) -> None:
+    """A controller that died on its own (killed, out of memory) leaves its schedulers (its
+    process group) and its engines running: stop them, found by the pids the cluster file
+    records, never by name."""
+    pid = ((record.get("controller") or {}).get("state") or {}).get("pid")
+    if isinstance(pid, int) and pid > 1 and not psutil.pid_exists(pid):
+        # a group outlives its leader's pid only while a member runs, so this is its group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+    with contextlib.suppress(Exception):
+        cluster.stop_engines_sync()  # the engine sets whose mpiexec still runs
 
 
 def _running_cluster(profile: str, n: int) -> ipp.Cluster | None:
@@ -171,7 +185,7 @@ def _running_cluster(profile: str, n: int) -> ipp.Cluster | None:
     engine of an MPI job dies, mpiexec ends them all, and waiting for them would only wait
     out the timeout.
     """
-    recorded = _recorded_engine_sets(profile)
+    record = _cluster_record(profile)
     try:
         cluster = ipp.Cluster.from_file(profile=profile, cluster_id="", log=_log)
     except FileNotFoundError:
@@ -179,8 +193,9 @@ def _running_cluster(profile: str, n: int) -> ipp.Cluster | None:
     # from_file checks the recorded controller pid: a dead controller leaves `controller` None;
     # and it drops every engine set whose launcher (mpiexec) is no longer running.
     if cluster.controller is None:
+        _stop_what_a_dead_controller_left(record, cluster)
         return None
-    if len(cluster.engines) < recorded:
+    if len(cluster.engines) < len((record.get("engines") or {}).get("sets", {})):
         raise ClusterError(
             f"The running cluster's engines are gone (their MPI job has ended: an engine died "
             f"or was stopped). Fix: {_how_to_fix(n, profile, owned=False)}"

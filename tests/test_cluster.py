@@ -14,6 +14,7 @@ import threading
 import time
 
 import ipyparallel as ipp
+import psutil
 import pytest
 
 from fsdp_lesson.cluster import ClusterError, RankError, connect, report_progress
@@ -206,6 +207,32 @@ def test_connect_starts_its_own_cluster_and_close_stops_it(ipython_dir):
     finally:
         ranks.close()
     assert wait_until_gone(pids) == []
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_connect_after_its_controller_was_killed_stops_what_that_controller_left():
+    with ipcluster(2, "mpi", "orphans") as cluster:
+        controller = cluster.controller.pid
+        launcher = next(iter(cluster.engines.values())).pid  # mpiexec of the engines
+        left = [launcher] + [
+            p.pid
+            for pid in (controller, launcher)
+            for p in psutil.Process(pid).children(recursive=True)
+        ]
+        assert len(left) > 3  # the schedulers, mpiexec and its engines
+        os.kill(controller, signal.SIGKILL)  # the controller alone dies
+        assert wait_until_gone([controller]) == []
+        try:
+            ranks = connect(n=2, profile="orphans", timeout=60)
+            try:
+                assert wait_until_gone(left) == []
+                assert ranks.run(rank_and_size) == [(0, 2), (1, 2)]
+            finally:
+                ranks.close()
+        finally:  # whatever the test found, it leaves nothing behind
+            for pid in filter(alive, left):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.cluster
