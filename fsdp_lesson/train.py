@@ -45,6 +45,7 @@ def forward(
 ):
     """Run every layer on x; return the logits. With acts, keep what backward will need:
     every layer's cache, or with recompute only each block's input (the first layer's cache)."""
+    strategy.begin_phase("forward")
     for layer in model.layers:
         p = strategy.materialize(layer)
         x, cache = layer.forward(p, x)
@@ -92,6 +93,7 @@ def train_step(
         dlogits = model.loss.backward(loss_cache, rows=len(Y))  # in place in the probs
         dx = acts.gradient("dlogits", dlogits)
         del logits, loss_cache, dlogits  # no stray references: the ledger's frees are real
+        strategy.begin_phase("backward")
         for block in reversed(model.blocks):
             if recompute:
                 recompute_block(strategy, block, acts)

@@ -1,5 +1,6 @@
 """The strategy interface: the hooks the one training loop calls, and the state it owns.
 
+    begin_phase(phase)          the loop starts "forward" (also evaluation and sampling) or "backward"
     materialize(layer) -> p     the layer's full parameters, ready for forward or backward
     release(layer)              done with them (zero3 frees its gathered copy)
     grad_buffer(layer) -> g     where backward writes the layer's full gradient
@@ -193,6 +194,13 @@ class Strategy:
 
     # --- the hooks ---------------------------------------------------------------------------
 
+    phase = "forward"  # which pass the hooks below serve; the loop says (begin_phase)
+
+    def begin_phase(self, phase: str) -> None:
+        """The loop starts a pass: "forward" or "backward" (FSDP2 keeps it as its training
+        state), so no strategy has to infer it from the order of the hooks' calls."""
+        self.phase = phase
+
     def materialize(self, layer) -> Params:
         """FSDP2: unshard. The layer's full parameters as shaped views."""
         raise NotImplementedError
@@ -220,6 +228,7 @@ class Strategy:
         copy on every rank.
         """
         out = {}
+        self.begin_phase("forward")
         for layer in self.model.layers:
             views = self.materialize(layer)
             if root is None or self.comm.rank == root:

@@ -72,8 +72,6 @@ class ZeRO3(Strategy):
         # gradient reduce-scatters in flight: (unit, request, the micro-batch's shard to add)
         self.reducing: list[tuple[int, Request, np.ndarray | None]] = []
         self.keep_full = self.accum_reduce == "last" and self.accum > 1
-        self.last_release: tuple[int, bool] | None = None  # (unit, in backward)
-        self.reduced_layer: str | None = None  # the layer whose gradient was just reduced
         self.trace: list | None = None  # (lane, label, start, end) spans, when recording
         self.computing: float | None = None
 
@@ -129,16 +127,6 @@ class ZeRO3(Strategy):
         i = self.nonempty.index(u) + (-1 if backward else 1)
         return self.nonempty[i] if 0 <= i < len(self.nonempty) else None
 
-    def _in_backward(self, u: int) -> bool:
-        """Whether materializing unit u starts its backward (the hooks know no phase).
-
-        Backward begins at the last unit right after its forward, and then walks down.
-        """
-        if self.last_release is None:
-            return False
-        last, backward = self.last_release
-        return (last == u and not backward and u == self.nonempty[-1]) or (backward and u < last)
-
     # --- the hooks ------------------------------------------------------------------------
 
     def materialize(self, layer) -> Params:
@@ -148,7 +136,7 @@ class ZeRO3(Strategy):
             return {}  # a ReLU alone: nothing to gather
         if u not in self.gathered:
             self._arrive(u)
-            following = self._next(u, self._in_backward(u))
+            following = self._next(u, backward=self.phase == "backward")
             if self.prefetch and following is not None and following not in self.gathered:
                 if following not in self.gathering:
                     self._gather(following, blocking=False)  # runs while this unit computes
@@ -159,15 +147,10 @@ class ZeRO3(Strategy):
         """FSDP2: reshard. Free the unit's full parameters after its last layer has run."""
         self.drop_upcast(layer)
         u, unit = self.unit_of[layer.name], self.units[self.unit_of[layer.name]]
-        if not unit.flat.numel:
-            self.reduced_layer = None
-            return
-        backward, self.reduced_layer = self.reduced_layer == layer.name, None
-        if layer.name != (unit.layers[0] if backward else unit.layers[-1]):
-            return  # the unit's other layers still run
-        phase = "backward" if backward else "forward"
-        self._span("compute", f"{phase} {unit.name}", self.computing)
-        self.last_release = (u, backward)
+        backward = self.phase == "backward"
+        if not unit.flat.numel or layer.name != (unit.layers[0] if backward else unit.layers[-1]):
+            return  # a ReLU alone, or the unit's other layers still run
+        self._span("compute", f"{self.phase} {unit.name}", self.computing)
         if backward or self.reshard_after_forward:
             del self.gathered[u]
             self.ledger.free(f"{unit.name} gathered")
@@ -188,7 +171,6 @@ class ZeRO3(Strategy):
     def reduce_grads(self, layer) -> None:
         """After the unit's backward: reduce-scatter its gradient (non-blocking with prefetch)."""
         self.land_grad(layer)
-        self.reduced_layer = layer.name
         u = self.unit_of[layer.name]
         unit = self.units[u]
         if not unit.flat.numel or layer.name != unit.layers[0] or not self.reducing_now:
