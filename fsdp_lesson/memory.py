@@ -13,6 +13,14 @@ import numpy as np
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 
+def placeholder(shape, dtype=np.float32) -> np.ndarray:
+    """An array of `shape` that holds one element, seen through zero strides: its nbytes are
+    what the shape says, its memory one element (what a dry run allocates; dryrun.py)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    one = np.zeros(1, dtype=dtype)
+    return np.lib.stride_tricks.as_strided(one, shape, (0,) * len(shape), writeable=True)
+
+
 class MemoryBudgetError(MemoryError):
     """An allocation would exceed the rank's memory budget."""
 
@@ -20,8 +28,9 @@ class MemoryBudgetError(MemoryError):
 class MemoryLedger:
     """Bytes by category: `peak` holds each category's high-water mark, `peak_total` the sum's."""
 
-    def __init__(self, rank: int = 0, budget_bytes: int | None = None) -> None:
+    def __init__(self, rank: int = 0, budget_bytes: int | None = None, dry: bool = False) -> None:
         self.rank, self.budget_bytes = rank, budget_bytes
+        self.dry = dry  # count as usual, but hand out placeholders (a dry run's ledger)
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
@@ -37,6 +46,8 @@ class MemoryLedger:
         for a caller that overwrites it at once (one pass over memory fewer)."""
         count = shape if isinstance(shape, int) else math.prod(shape)
         self.hold(category, label, int(count) * np.dtype(dtype).itemsize)
+        if self.dry:
+            return placeholder(shape, dtype)
         return np.zeros(shape, dtype=dtype) if zeroed else np.empty(shape, dtype=dtype)
 
     def hold(self, category: str, label: str, nbytes: int) -> None:

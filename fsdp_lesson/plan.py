@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from .config import ModelConfig
 from .model import MLP
 from .sharding import STRATEGIES, ZERO_STAGE, is_sharded
-from .units import make_units
 
 STAGES = tuple(s for s in STRATEGIES if s != "single")  # what one plans for N ranks
 
@@ -140,45 +139,16 @@ def padded(size: int, n: int) -> int:
 
 
 def activation_peak(model_config: ModelConfig, micro_batch: int, recompute: bool = False) -> int:
-    """The ledger's activation peak: replay the loop's holds and frees over the layer shapes.
+    """The ledger's activation peak of a step: the loop itself, run dry (ledger_bytes).
 
     Forward keeps each layer's cache (the embedding its tokens, 1 byte each; every other
-    layer its float32 input); with recompute it drops each cache but a block's first once
-    the layer has run, and backward pushes them again just before the block's backward.
-    Backward counts each new dx (the size of the layer's input) before it frees the old dx
-    and the layer's cache.
+    layer its float32 input); with recompute it drops each cache but a block's first, and
+    backward pushes them again just before the block's backward. Backward counts each new
+    dx before it frees the old dx and the layer's cache.
     """
-    c, b = model_config, micro_batch
-    model = MLP(c)
-    caches, width = [b * c.seq_len], c.seq_len * c.emb
-    for layer in model.layers[1:]:
-        caches.append(4 * b * width)
-        width = layer.shapes["W"][1] if layer.shapes else width
-    first, index = [], 0  # each block's first layer index, and the layers after it
-    for block in model.blocks:
-        first.append((index, range(index + 1, index + len(block))))
-        index += len(block)
-    kept = {i for i, _ in first}
-    live = peak = 0
-    for i, size in enumerate(caches):  # forward
-        live += size
-        peak = max(peak, live)
-        if recompute and i not in kept:
-            live -= size
-    dx = 4 * b * c.vocab_size  # dlogits
-    live += dx
-    peak = max(peak, live)
-    for i, rest in reversed(first):  # backward, a block at a time
-        if recompute:
-            for j in rest:
-                live += caches[j]
-                peak = max(peak, live)
-        for j in reversed(range(i, rest.stop)):
-            new_dx = caches[j] if j > 0 else 0  # the embedding passes no gradient on
-            peak = max(peak, live + new_dx)
-            live += new_dx - dx - caches[j]
-            dx = new_dx
-    return peak
+    return ledger_bytes("single", model_config, 1, "sgd", micro_batch, recompute=recompute)[
+        "activations"
+    ]
 
 
 def gathered_peak(units: list[int], prefetch: bool, reshard_after_forward: bool) -> int:
@@ -203,102 +173,6 @@ def gathered_peak(units: list[int], prefetch: bool, reshard_after_forward: bool)
     return peak
 
 
-def kept_full_peak(
-    kept: list[int], upcast: list[int], sizes: list[int], mixed: bool, accum: int
-) -> int:
-    """zero2 with accum_reduce "last": the peak of every layer's kept full gradient (bytes
-    `kept`) plus one layer's float32 upcast and gradient scratch.
-
-    Micro-batch 0 allocates them from the last layer down; the middle micro-batches hold all
-    of them; the last frees each after its reduce-scatter, from the last layer down.
-    """
-    first = [u + (4 * s if mixed else 0) for u, s in zip(upcast, sizes, strict=True)]
-    later = [u + 4 * s for u, s in zip(upcast, sizes, strict=True)]
-    peak = sum(kept) + max(upcast)  # forward of micro-batch 1
-    if accum >= 3:
-        peak = max(peak, sum(kept) + max(later))
-    for i in range(len(kept)):
-        peak = max(peak, sum(kept[i:]) + first[i], sum(kept[: i + 1]) + later[i])
-    return peak
-
-
-def per_layer(flat, layer: str) -> int:
-    """Parameters of one layer of a unit's flat layout (its keys are "layer.param")."""
-    return sum(size for key, size in flat.sizes.items() if key.rsplit(".", 1)[0] == layer)
-
-
-def zero3_buffer_peak(
-    units: list[list[int]],
-    padded_numels: list[int],
-    group: int,
-    item: int,
-    *,
-    mixed: bool,
-    accum: int,
-    keep_full: bool,
-    prefetch: bool,
-    reshard_after_forward: bool,
-) -> int:
-    """zero3's peak of buffers over one step, replaying its allocations in their order.
-
-    units: each non-empty unit's layers' parameter counts; its full buffers (gathered
-    parameters, full gradient) hold `item` bytes per element of its padded size. The levers
-    add: each layer's float32 upcast (mixed precision), its float32 gradient scratch (mixed,
-    or adding into a kept gradient), a micro-batch's gradient shard to add ("every", after
-    the first micro-batch) and full gradients kept across micro-batches ("last").
-    """
-    live: dict[tuple, int] = {}
-    peak, count, pending = 0, len(units), []
-    full = [item * p for p in padded_numels]
-    # the micro-batches between the first and the last repeat one another exactly: one of
-    # them stands for all (a step of --accum 10^9 is predicted at once, not replayed 10^9 times)
-    accum = min(accum, 3)
-
-    def hold(key: tuple, nbytes: int) -> None:
-        nonlocal peak
-        if key not in live:
-            live[key] = nbytes
-            peak = max(peak, sum(live.values()))
-
-    def finish(u: int) -> None:  # a unit's reduce-scatter completes: its buffers are free
-        live.pop(("grad", u))
-        live.pop(("part", u), None)
-
-    for micro in range(accum):
-        while pending:  # begin_micro_batch
-            finish(pending.pop(0))
-        for u in range(count):  # forward
-            hold(("params", u), full[u])
-            if prefetch and u + 1 < count:
-                hold(("params", u + 1), full[u + 1])
-            for numel in units[u]:
-                hold(("upcast",), 4 * numel if mixed else 0)
-                live.pop(("upcast",))
-            if reshard_after_forward:
-                live.pop(("params", u))
-        for u in reversed(range(count)):  # backward
-            hold(("params", u), full[u])
-            if prefetch and u > 0:
-                hold(("params", u - 1), full[u - 1])
-            for i in reversed(range(len(units[u]))):
-                hold(("upcast",), 4 * units[u][i] if mixed else 0)
-                hold(("grad", u), full[u])
-                if mixed or (keep_full and micro > 0):
-                    hold(("scratch",), 4 * units[u][i])
-                    live.pop(("scratch",))
-                if i == 0 and (not keep_full or micro == accum - 1):
-                    if micro > 0 and not keep_full:
-                        hold(("part", u), full[u] // group)
-                    pending.append(u)
-                    while len(pending) > (1 if prefetch else 0):
-                        finish(pending.pop(0))
-                live.pop(("upcast",))
-            live.pop(("params", u))
-    if mixed:  # step(): each owned gradient shard upcast to float32 for the update
-        hold(("step",), max(4 * p // group for p in padded_numels))
-    return peak
-
-
 def ledger_bytes(
     strategy: str,
     model_config: ModelConfig,
@@ -315,55 +189,31 @@ def ledger_bytes(
     accum_reduce: str = "every",
     recompute: bool = False,
 ) -> dict:
-    """What MemoryLedger's peaks per category will be for this run, to the byte.
+    """What MemoryLedger's peaks per category will be for this run, to the byte: the
+    strategy's own code initialises the model and takes one step on placeholders (dryrun.py),
+    so the prediction comes from the lines that allocate.
 
     The keyword arguments are zero3's options and the memory levers (TrainConfig's fields
     of the same names); the defaults are a run without them.
     """
-    sizes = layer_sizes(model_config)
-    bytes_per = precision_of(precision, optimizer)
-    mixed, item = precision != "fp32", bytes_per.params
-    keep_full = accum_reduce == "last" and accum > 1
-    init = 4 * max(sizes)  # initialisation draws one layer at a time (Strategy.init_params)
-    if strategy == "zero3":
-        group = n // replicate  # the ranks that shard; HSDP replicates R such groups
-        units = make_units(MLP(model_config).layers, layers_per_unit, group)
-        state = state_bytes(strategy, sum(u.flat.padded_numel for u in units), group, bytes_per)
-        units = [u for u in units if u.flat.numel]
-        numels = [[per_layer(u.flat, layer) for layer in u.layers] for u in units]
-        replay = zero3_buffer_peak(
-            [[x for x in layers if x] for layers in numels],
-            [u.flat.padded_numel for u in units],
-            group,
-            item,
-            mixed=mixed,
-            accum=accum,
-            keep_full=keep_full,
-            prefetch=prefetch,
-            reshard_after_forward=reshard_after_forward,
-        )
-        buffers = max(init, replay)
-    else:
-        psi_pad, largest = sum(padded(s, n) for s in sizes), max(padded(s, n) for s in sizes)
-        owned = [padded(s, n) // n for s in sizes]  # a shard of the optimizer state
-        if strategy in ("single", "dp"):
-            psi_pad, largest, owned = sum(sizes), 0, sizes
-        state = state_bytes(strategy, psi_pad, n, bytes_per)
-        persistent = item * largest if strategy == "zero2" and not keep_full else 0
-        accumulating = accum > 1 and (strategy != "zero2" or keep_full)
-        scratch = [4 * s if mixed or accumulating else 0 for s in sizes]
-        every = strategy == "zero2" and accum > 1 and not keep_full
-        part = [item * o if every else 0 for o in owned]  # a micro-batch's shard, to add
-        upcast = [4 * s if mixed else 0 for s in sizes]
-        during = max(u + max(c, p) for u, c, p in zip(upcast, scratch, part, strict=True))
-        if strategy == "zero2" and keep_full:  # every layer's full gradient, kept
-            kept = [item * padded(s, n) for s in sizes]
-            during = kept_full_peak(kept, upcast, sizes, mixed, accum)
-        step = 4 * max(owned) if mixed else 0  # the owned gradient, upcast for the update
-        # zero2's transient is allocated at the first backward, after initialisation's layer
-        buffers = max(init, persistent + during, persistent + step)
-    return {
-        **{k: int(v) for k, v in state.items()},
-        "buffers": buffers,
-        "activations": activation_peak(model_config, micro_batch, recompute),
-    }
+    from .dryrun import dry_run  # it runs the loop, which plans its memory with this module
+
+    zero3 = dict(
+        layers_per_unit=layers_per_unit,
+        prefetch=prefetch,
+        reshard_after_forward=reshard_after_forward,
+        replicate=replicate,
+    )
+    ledger = dry_run(
+        strategy,
+        model_config,
+        n,
+        optimizer,
+        micro_batch,
+        precision=precision,
+        accum=accum,
+        accum_reduce=accum_reduce,
+        recompute=recompute,
+        **(zero3 if strategy == "zero3" else {}),
+    )
+    return dict(ledger.peak)

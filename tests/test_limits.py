@@ -144,11 +144,10 @@ def test_the_prediction_holds_a_step_of_many_micro_batches(data):
     assert 0.6 * predicted <= measured <= predicted, (measured, predicted)
 
 
-def test_predicting_a_step_of_a_billion_micro_batches_takes_no_time():
-    start = time.monotonic()
+@pytest.mark.timeout(60)  # the dry run runs three micro-batches, which stand for them all
+def test_predicting_a_step_of_a_billion_micro_batches_runs_three():
     for strategy in ("dp", "zero2", "zero3"):
         predicted_peak(strategy, ModelConfig(), TrainConfig(strategy=strategy, accum=10**9), 2)
-    assert time.monotonic() - start < 2  # zero3's replay used to run every micro-batch
 
 
 # --- 2. the final files are written as checkpoints are: whole, or not at all ------------------

@@ -1,6 +1,6 @@
 """The strategy interface: the hooks the one training loop calls, and the state it owns.
 
-    begin_phase(phase)          the loop starts "forward" (also evaluation and sampling) or "backward"
+    begin_phase(phase)          the loop starts a pass: "forward" (evaluation too) or "backward"
     materialize(layer) -> p     the layer's full parameters, ready for forward or backward
     release(layer)              done with them (zero3 frees its gathered copy)
     grad_buffer(layer) -> g     where backward writes the layer's full gradient

@@ -1,0 +1,146 @@
+"""A dry run: a strategy's own code runs initialisation and one training step on placeholders.
+
+The planner (plan.ledger_bytes) predicts what MemoryLedger will measure by running the very
+lines that allocate: the real strategy and the real loop (train_step), with
+
+    placeholders   arrays of the asked shape that hold one element (memory.placeholder)
+    DryComm        N ranks seen from rank 0; every collective returns at once
+    DryModel       the model's layers with forward and backward that compute nothing
+    DryOptimizer   the optimizer's state allocated as usual, its update skipped
+
+so the ledger counts every hold and free in their real order, and no schedule (zero3's
+prefetch, zero2's transient, the levers' scratch buffers) is written a second time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .comm import Comm, Request
+from .config import ModelConfig
+from .memory import MemoryLedger, placeholder
+from .model import MLP, Embedding, Params
+from .optim import make_optimizer
+from .strategies import make_strategy
+from .train import train_step
+
+# The micro-batches between the first and the last repeat one another exactly: three stand
+# for any number (a step of --accum 10^9 is predicted at once, not run 10^9 times).
+MICRO_BATCHES_THAT_DIFFER = 3
+
+
+class DryComm(Comm):
+    """N ranks as rank 0 sees them, moving no data. `groups` sizes the communicators that
+    split() makes, by name (zero3's HSDP: "shard" and "replicate")."""
+
+    def __init__(self, size: int, groups: dict[str, int] | None = None) -> None:
+        super().__init__()
+        self.size, self.groups = size, groups or {}
+
+    def allreduce_mean(self, buf: np.ndarray) -> np.ndarray:
+        return buf
+
+    def allgather(self, shard: np.ndarray | None, full: np.ndarray) -> np.ndarray:
+        return full
+
+    def reduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray | None) -> np.ndarray:
+        return full[: full.size // self.size] if shard is None else shard
+
+    def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
+        return buf
+
+    def iallreduce_mean(self, buf: np.ndarray) -> Request:
+        return Request.done(self, lambda: None)
+
+    def iallgather(self, shard: np.ndarray, full: np.ndarray) -> Request:
+        return Request.done(self, lambda: None)
+
+    def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> Request:
+        return Request.done(self, lambda: None)
+
+    def split(self, color: int, key: int, name: str) -> DryComm:
+        return DryComm(self.groups[name])
+
+
+class DryLayer:
+    """A layer's name and shapes, with a forward and backward that hand on placeholders of
+    the shapes the real ones return, and keep the same cache (the layer's input)."""
+
+    def __init__(self, layer) -> None:
+        self.name, self.shapes = layer.name, layer.shapes
+        self.embeds = isinstance(layer, Embedding)
+
+    def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.embeds:  # (B, S) -> (B, S*E)
+            width = x.shape[1] * self.shapes["W"][1]
+        else:  # a Linear's (B, in) -> (B, out); a ReLU keeps its width
+            width = self.shapes["W"][1] if self.shapes else x.shape[1]
+        return placeholder((len(x), width)), x
+
+    def backward(self, p: Params, x: np.ndarray, dout: np.ndarray, g: Params) -> np.ndarray | None:
+        return None if self.embeds else placeholder(x.shape)  # tokens have no gradient
+
+
+class DryLoss:
+    """The loss's cache is its probabilities, and backward returns them as dlogits."""
+
+    def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, np.ndarray]:
+        return 0.0, placeholder(logits.shape)
+
+    def backward(self, cache: np.ndarray, rows: int | None = None) -> np.ndarray:
+        return cache
+
+
+class DryModel:
+    """What the loop and the strategies read of an MLP, with layers that compute nothing."""
+
+    def __init__(self, model: MLP) -> None:
+        dry = {layer.name: DryLayer(layer) for layer in model.layers}
+        self.config, self.block_inputs = model.config, model.block_inputs
+        self.layers = [dry[layer.name] for layer in model.layers]
+        self.blocks = [[dry[layer.name] for layer in block] for block in model.blocks]
+        self.loss = DryLoss()
+
+    def init_layers(self, rng=None):
+        """Each layer's initial parameters, as placeholders: one layer at a time, as MLP's."""
+        for layer in self.layers:
+            yield layer, {name: placeholder(shape) for name, shape in layer.shapes.items()}
+
+
+class DryOptimizer:
+    """The optimizer's state allocated through the ledger as usual; its update skipped."""
+
+    def __init__(self, name: str) -> None:
+        self.optimizer = make_optimizer(name, lr=0.1)
+        self.init_state = self.optimizer.init_state
+        self.start_step = self.optimizer.start_step
+
+    def update(self, p: np.ndarray, g: np.ndarray, state: dict) -> None:
+        pass
+
+
+def dry_run(
+    strategy: str,
+    model_config: ModelConfig,
+    n: int,
+    optimizer: str,
+    micro_batch: int,
+    *,
+    accum: int = 1,
+    recompute: bool = False,
+    **options,
+) -> MemoryLedger:
+    """Rank 0's ledger after `strategy` (with its options and levers) initialised the model
+    and took one step of `accum` micro-batches of `micro_batch` rows, on N ranks."""
+    replicate = options.get("replicate", 1)
+    comm = DryComm(n, {"shard": n // replicate, "replicate": replicate})
+    ledger, model = MemoryLedger(dry=True), DryModel(MLP(model_config))
+    accum = min(accum, MICRO_BATCHES_THAT_DIFFER)
+    built = make_strategy(
+        strategy, model, DryOptimizer(optimizer), comm, ledger, accum=accum, **options
+    )
+    built.init_params(rng=None)
+    X = placeholder((micro_batch * accum, model_config.seq_len), np.uint8)
+    Y = placeholder((micro_batch * accum,), np.uint8)
+    train_step(model, built, X, Y, accum, recompute)
+    return ledger
