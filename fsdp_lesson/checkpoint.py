@@ -37,14 +37,14 @@ from .data import DataError, sha256_of
 from .flat import FlatParam
 from .rng import Rng
 from .sharding import STRATEGIES
-from .strategies import Strategy
+from .strategies import STRATEGY_CLASSES, Strategy
 from .units import make_units
 
 FORMAT = 4
 # TrainConfig fields a resumed run may change; everything else must match the checkpoint.
 # With reshard=True the global batch may change too (see check_compatible).
 MAY_CHANGE = {"strategy", "steps", "log_every", "eval_batches", "samples", "memory_budget_mb"}
-MAY_CHANGE |= {"prefetch", "reshard_after_forward"}  # zero3's options that change no number
+MAY_CHANGE |= set().union(*(s.options_a_resume_may_change for s in STRATEGY_CLASSES.values()))
 MAY_CHANGE |= {"recompute"}  # recomputes the same bits
 MAY_CHANGE |= {"timeout"}  # how long a collective may wait (--timeout): changes no number
 # The manifest's keys and their types: anything else is a damaged or foreign manifest.
@@ -384,7 +384,7 @@ def saved_layout(manifest: dict, model) -> dict[str, tuple[tuple[str, ...], Flat
     """How a checkpoint lays out its state: each saved name (a layer, or a zero3 unit of
     --layers-per-unit K layers) -> (its layers, its FlatParam over the saved N ranks)."""
     n, k = manifest["world_size"], manifest["train_config"].get("layers_per_unit", 1)
-    if manifest["strategy"] == "zero3" and k > 1:
+    if "layers_per_unit" in STRATEGY_CLASSES[manifest["strategy"]].options and k > 1:
         return {unit.name: (unit.layers, unit.flat) for unit in make_units(model.layers, k, n)}
     return {layer.name: ((layer.name,), FlatParam(layer.shapes, n)) for layer in model.layers}
 

@@ -193,12 +193,13 @@ def ledger_bytes(
     strategy's own code initialises the model and takes one step on placeholders (dryrun.py),
     so the prediction comes from the lines that allocate.
 
-    The keyword arguments are zero3's options and the memory levers (TrainConfig's fields
-    of the same names); the defaults are a run without them.
+    The keyword arguments are the strategies' own options (zero3's) and the memory levers
+    (TrainConfig's fields of the same names); the defaults are a run without them.
     """
     from .dryrun import dry_run  # it runs the loop, which plans its memory with this module
+    from .strategies import STRATEGY_CLASSES
 
-    zero3 = dict(
+    own = dict(
         layers_per_unit=layers_per_unit,
         prefetch=prefetch,
         reshard_after_forward=reshard_after_forward,
@@ -214,6 +215,6 @@ def ledger_bytes(
         accum=accum,
         accum_reduce=accum_reduce,
         recompute=recompute,
-        **(zero3 if strategy == "zero3" else {}),
+        **{k: v for k, v in own.items() if k in STRATEGY_CLASSES[strategy].options},
     )
     return dict(ledger.peak)

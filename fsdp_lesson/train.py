@@ -33,7 +33,7 @@ from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .model import MLP, softmax
 from .optim import make_optimizer
 from .rng import Rng, make_rng
-from .strategies import Strategy, make_strategy
+from .strategies import STRATEGY_CLASSES, Strategy, make_strategy, strategy_options
 
 
 def forward(
@@ -234,9 +234,7 @@ def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n:
     the step history, and a step's batch (step_batch_bytes)."""
     from . import plan
 
-    options = levers(tc)
-    if strategy == "zero3":
-        options |= zero3_options(tc)
+    options = levers(tc) | strategy_options(strategy, tc)
     micro_batch = tc.batch // n
     ledger = plan.ledger_bytes(
         strategy, model_config, n, tc.optimizer, micro_batch, recompute=tc.recompute, **options
@@ -254,16 +252,6 @@ def step_batch_bytes(model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
     times --accum), this rank's rows of tokens, and the --accum micro-batches cut from them."""
     rows = tc.batch * tc.accum
     return batch_bytes(rows, n, model_config.seq_len, tc.c_compat) + MICRO_BATCH_BYTES * tc.accum
-
-
-def zero3_options(tc: TrainConfig) -> dict:
-    """zero3's options (FSDP's), as its constructor and plan.ledger_bytes take them."""
-    return dict(
-        layers_per_unit=tc.layers_per_unit,
-        prefetch=tc.prefetch,
-        reshard_after_forward=tc.reshard_after_forward,
-        replicate=tc.replicate,
-    )
 
 
 def levers(tc: TrainConfig) -> dict:
@@ -328,7 +316,7 @@ def _fitting_strategy(
 ) -> str | None:
     """'--strategy zero1 would fit' if a ZeRO stage would fit in `allowed` (beside a dataset
     whose loading peaks at `load` bytes and which keeps `kept`), else None."""
-    for s in ("zero1", "zero2", "zero3"):
+    for s in (name for name, cls in STRATEGY_CLASSES.items() if cls.stage > 0):
         other = TrainConfig(**(tc.to_dict() | {"strategy": s}))
         if s != tc.strategy and max(load, kept + predicted_peak(s, model_config, other, n)) <= (
             allowed
@@ -404,7 +392,7 @@ def run(
     history = History.for_steps(model_config, tc, comm.size)
     if rc.trace_memory:
         tracemalloc.start()
-    options = levers(tc) | (zero3_options(tc) if tc.strategy == "zero3" else {})
+    options = levers(tc) | strategy_options(tc.strategy, tc)
     options["clip_grad_norm"] = tc.clip_grad_norm  # allocates nothing: not the planner's
     strategy = together(
         comm,

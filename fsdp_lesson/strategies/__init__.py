@@ -15,8 +15,13 @@ assert tuple(STRATEGY_CLASSES) == STRATEGIES, "every strategy has a row in the s
 
 
 def make_strategy(name: str, model, optimizer, comm, ledger, **options) -> Strategy:
-    """The strategy `name`; options are zero3's (layers_per_unit, prefetch, ...)."""
+    """The strategy `name`; options are the levers and its own (zero3's layers_per_unit, ...)."""
     return STRATEGY_CLASSES[name](model, optimizer, comm, ledger, **options)
+
+
+def strategy_options(name: str, config) -> dict:
+    """Strategy `name`'s own options as `config` (a TrainConfig) sets them."""
+    return {option: getattr(config, option) for option in STRATEGY_CLASSES[name].options}
 
 
 __all__ = [
@@ -29,4 +34,5 @@ __all__ = [
     "ZeRO2",
     "ZeRO3",
     "make_strategy",
+    "strategy_options",
 ]

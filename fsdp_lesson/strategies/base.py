@@ -45,6 +45,10 @@ class Strategy:
 
     name = "base"
     stage = 0  # the strategy's row of the sharding table, set from its name
+    # TrainConfig fields the constructor takes beside the levers (zero3: FSDP's options), and
+    # those of them a resumed run may change (they move bytes, not numbers)
+    options: tuple[str, ...] = ()
+    options_a_resume_may_change: frozenset[str] = frozenset()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

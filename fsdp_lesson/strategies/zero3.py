@@ -39,6 +39,8 @@ class ZeRO3(Strategy):
     """Shards only; a unit's full parameters and gradient exist only while it runs."""
 
     name = "zero3"
+    options = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")
+    options_a_resume_may_change = frozenset({"prefetch", "reshard_after_forward"})
 
     def __init__(
         self,
