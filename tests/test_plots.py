@@ -1,5 +1,9 @@
 """The plot helpers render with Agg on small data and draw exactly the data they are given."""
 
+import json
+import re
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -9,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from fsdp_lesson import plan  # noqa: E402
+from fsdp_lesson import plan, plots  # noqa: E402
 from fsdp_lesson.data import build_rows  # noqa: E402
 from fsdp_lesson.flat import FlatParam  # noqa: E402
 from fsdp_lesson.memory import CATEGORIES  # noqa: E402
@@ -39,6 +43,28 @@ from fsdp_lesson.plots import (  # noqa: E402
 def close_figures():
     yield
     plt.close("all")
+
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def notebook_names() -> set[str]:
+    """Every name the notebooks take from plots: `plots.X` and `from fsdp_lesson.plots import`."""
+    names = set()
+    for notebook in NOTEBOOKS:
+        cells = json.loads(notebook.read_text())["cells"]
+        for source in ("".join(c["source"]) for c in cells if c["cell_type"] == "code"):
+            names |= set(re.findall(r"\bplots\.([A-Za-z_]\w*)", source))
+            for imported in re.findall(r"from fsdp_lesson\.plots import (\([^)]*\)|.*)", source):
+                names |= {n.strip() for n in imported.strip("()").split(",") if n.strip()}
+    return names
+
+
+def test_the_package_offers_every_name_the_notebooks_use():
+    names = notebook_names()
+    assert {"memory_bars", "timeline", "gathered_units"} <= names  # the scan finds them
+    assert sorted(names - set(plots.__all__)) == []
+    assert all(hasattr(plots, name) for name in plots.__all__)
 
 
 def bars(fig) -> list[Rectangle]:
