@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import Field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .launch import (
     end_every_rank_on_interrupt,
@@ -37,10 +39,15 @@ except ImportError:  # a Python without the project's packages, e.g. outside .ve
         f"the project's environment first (. .venv/bin/activate), or run make run / make test"
     )
 
-from .config import ACCUM_REDUCE, OPTIMIZERS, ConfigError, ModelConfig, RunConfig, TrainConfig
+from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import DEFAULT_PATH, NAMES_SHA256, DataError, build_names_file, sha256_of
-from .precision import PRECISIONS
-from .sharding import STRATEGIES
+
+if TYPE_CHECKING:  # train.py loads only when a run starts (train_command)
+    from .train import History
+
+# The configs whose flagged fields are train's flags (config.flag), in --help's order.
+CONFIGS = (TrainConfig, ModelConfig, RunConfig)
+Config = TypeVar("Config", ModelConfig, TrainConfig, RunConfig)
 
 
 class UsageError(Exception):
@@ -52,56 +59,38 @@ class TrainingDiverged(Exception):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows a flag's default only where it has one worth saying."""
+    """--help shows a flag's default only where it says something: not None, and not for a
+    plain switch (--recompute, --no-reshard-after-forward), whose name says what it changes."""
 
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        plain_switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if plain_switch or action.default is None:
             return action.help
         return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
+    """argparse's errors as a UsageError, which main() turns into one line and exit code 2."""
+
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
-def integer_at_least(minimum: int, wording: str):
-    """An argparse type: an integer >= minimum, else the one line `must be <wording>, got X`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {wording}, got {value}")
-        return value
-
-    return parse
+def flagged_fields(config_class: type) -> list[Field]:
+    """The fields of a config that are also flags of `train` (made with config.flag)."""
+    return [f for f in fields(config_class) if "flag" in f.metadata]
 
 
-positive_int = integer_at_least(1, "a positive integer")
-nonnegative_int = integer_at_least(0, "0 or more")
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-STRATEGY_HELP = (
-    "where the bytes live: single (one rank, everything), dp (every rank a full replica, "
-    "gradients allreduced), zero1 (optimizer state sharded), zero2 (+ gradients sharded), "
-    "zero3 (+ parameters sharded: gathered layer by layer)"
-)
+def add_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
+    """One flag per flagged field: argparse's keywords from its metadata, its value stored
+    under the field's name, its default the field's (unless the metadata names another)."""
+    for f in flagged_fields(config_class):
+        options = {"default": f.default, **f.metadata}
+        parser.add_argument(options.pop("flag"), dest=f.name, **options)
 
 
 def build_parser() -> Parser:
+    """Every subcommand; train's flags are the configs' flagged fields, then --out."""
     parser = Parser(prog="python -m fsdp_lesson", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
@@ -111,162 +100,10 @@ def build_parser() -> Parser:
         description="Train the names MLP; under mpiexec -n N every rank runs this command.",
         formatter_class=HelpFormatter,
     )
-    d = TrainConfig()
-    train.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help=STRATEGY_HELP)
-    train.add_argument(
-        "--steps",
-        type=nonnegative_int,
-        default=d.steps,
-        help="optimizer steps (0: initialise, evaluate, sample, exit)",
-    )
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="the update")
-    train.add_argument(
-        "--lr",
-        type=positive_float,
-        default=argparse.SUPPRESS,
-        help="learning rate (default: 0.1 for sgd, the seed's; 1e-3 for adam)",
-    )
-    train.add_argument(
-        "--batch", type=positive_int, default=d.batch, help="global batch, split over the ranks"
-    )
-    m = ModelConfig()
-    train.add_argument("--emb", type=positive_int, default=m.emb, help="embedding width")
-    train.add_argument("--hidden", type=positive_int, default=m.hidden, help="hidden width")
-    train.add_argument(
-        "--layers",
-        type=positive_int,
-        default=m.layers,
-        help="hidden Linear+ReLU blocks (1 is the seed's model)",
-    )
-    train.add_argument("--seed", type=int, default=d.seed, help="random seed")
-    train.add_argument("--data", type=Path, default=DEFAULT_PATH, help="names file, one per line")
-    train.add_argument(
-        "--c-compat",
-        action="store_true",
-        help="glibc rand() and the seed's order: reproduces train.c's numbers",
-    )
-    train.add_argument(
-        "--eval-batches",
-        type=nonnegative_int,
-        default=d.eval_batches,
-        help="test batches for the final validation loss (0: no validation)",
-    )
-    train.add_argument(
-        "--samples", type=nonnegative_int, default=d.samples, help="names to sample at the end"
-    )
-    train.add_argument(
-        "--log-every", type=positive_int, default=d.log_every, help="print the loss every K steps"
-    )
-    train.add_argument(
-        "--memory-budget-mb",
-        type=positive_float,
-        default=None,
-        help="per-rank budget in MiB: a run that would need more is refused",
-    )
-    train.add_argument(
-        "--layers-per-unit",
-        type=positive_int,
-        default=d.layers_per_unit,
-        help="zero3: gather, free and reduce-scatter K consecutive layers as one unit",
-    )
-    train.add_argument(
-        "--prefetch",
-        action=argparse.BooleanOptionalAction,
-        default=d.prefetch,
-        help="zero3: gather the next unit and reduce-scatter gradients while computing",
-    )
-    train.add_argument(
-        "--no-reshard-after-forward",
-        dest="reshard_after_forward",
-        action="store_false",
-        default=argparse.SUPPRESS,
-        help="zero3: keep each unit gathered from forward to backward (2x instead of 3x traffic)",
-    )
-    train.add_argument(
-        "--replicate",
-        type=positive_int,
-        default=d.replicate,
-        help="zero3 HSDP: R replica groups of N/R ranks; shard within, average across",
-    )
-    train.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=d.precision,
-        help="bf16/fp16: 16-bit params and grads, fp32 master weights (fp16: loss scaling)",
-    )
-    train.add_argument(
-        "--accum",
-        type=positive_int,
-        default=d.accum,
-        help="gradient accumulation: K micro-batches of --batch rows per optimizer step",
-    )
-    train.add_argument(
-        "--accum-reduce",
-        choices=ACCUM_REDUCE,
-        default=d.accum_reduce,
-        help="reduce gradients after every micro-batch, or once after the last (DDP's no_sync,"
-        " FSDP2's set_requires_gradient_sync(False))",
-    )
-    train.add_argument(
-        "--clip-grad-norm",
-        type=positive_float,
-        default=d.clip_grad_norm,
-        metavar="X",
-        help="scale each step's gradient down to a global norm of at most X, over all shards"
-        " (torch.nn.utils.clip_grad_norm_)",
-    )
-    train.add_argument(
-        "--recompute",
-        action="store_true",
-        help="activation recomputation: keep each block's input, recompute the rest in backward",
-    )
-    train.add_argument(
-        "--trace-step",
-        type=nonnegative_int,
-        default=None,
-        help="record the wall-clock spans of this step's compute and collectives",
-    )
-    train.add_argument(
-        "--save-every",
-        type=positive_int,
-        default=None,
-        help="save a sharded checkpoint to OUT/checkpoint every K steps (and at the end)",
-    )
-    train.add_argument(
-        "--resume",
-        type=Path,
-        default=None,
-        help="continue from a checkpoint (its directory, or the --out that holds it)",
-    )
-    train.add_argument(
-        "--reshard",
-        action="store_true",
-        help="allow resuming a checkpoint saved by another strategy or rank count",
-    )
+    for config_class in CONFIGS:
+        add_flags(train, config_class)
     train.add_argument(
         "--out", type=Path, default=None, help="write history.json and params.npz here"
-    )
-    train.add_argument(
-        "--collectives",
-        choices=("mpi", "ring"),
-        default="mpi",
-        help="mpi: the MPI library's collectives (traffic counted by the ring model); ring: the "
-        "lesson's rings of Sendrecv (traffic measured: the bytes really sent)",
-    )
-    train.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="a fresh run (no --resume) may replace the checkpoint already in OUT/checkpoint",
-    )
-    train.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=d.timeout,
-        metavar="SECONDS",
-        help="a rank that waits longer than this in one collective (another rank stopped, hung"
-        " or gone) ends every rank with one line naming the collective and the ranks that did"
-        " not arrive, exit code 4; the default is far above this lesson's longest healthy wait"
-        " (a peer's start-up or checkpoint write: seconds) and ends a stalled job in minutes",
     )
 
     commands.add_parser(
@@ -308,43 +145,22 @@ def checkpoint_in(path: Path | None) -> Path | None:
     return inside if any(c.exists() for c in candidates) else path
 
 
-def configs_from(args) -> tuple[ModelConfig, TrainConfig, RunConfig]:
-    """The three configs of a run from the flags (each flag is the field of the same name)."""
-    model_config = ModelConfig(emb=args.emb, hidden=args.hidden, layers=args.layers)
-    train_config = TrainConfig(
-        strategy=args.strategy,
-        optimizer=args.optimizer,
-        lr=getattr(args, "lr", None),
-        steps=args.steps,
-        batch=args.batch,
-        memory_budget_mb=args.memory_budget_mb,
-        eval_batches=args.eval_batches,
-        samples=args.samples,
-        seed=args.seed,
-        c_compat=args.c_compat,
-        log_every=args.log_every,
-        layers_per_unit=args.layers_per_unit,
-        prefetch=args.prefetch,
-        reshard_after_forward=getattr(args, "reshard_after_forward", True),
-        replicate=args.replicate,
-        precision=args.precision,
-        accum=args.accum,
-        accum_reduce=args.accum_reduce,
-        recompute=args.recompute,
-        clip_grad_norm=args.clip_grad_norm,
-        timeout=args.timeout,
-    )
-    run_config = RunConfig(
-        data=args.data,
+def config_from(config_class: type[Config], args: argparse.Namespace, **others: Any) -> Config:
+    """A config from the parsed flags: each flagged field's value, then `others`, the fields
+    the command line sets some other way (a checkpoint_dir from --out)."""
+    flags = {f.name: getattr(args, f.name) for f in flagged_fields(config_class)}
+    return config_class(**(flags | others))
+
+
+def configs_from(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig, RunConfig]:
+    """The three configs of a run from the flags (each flag sets the field it is made with)."""
+    run_config = config_from(
+        RunConfig,
+        args,
         checkpoint_dir=None if args.out is None else args.out / "checkpoint",
-        save_every=args.save_every,
         resume=checkpoint_in(args.resume),
-        reshard=args.reshard,
-        overwrite=args.overwrite,
-        collectives=args.collectives,
-        trace_step=args.trace_step,
     )
-    return model_config, train_config, run_config
+    return config_from(ModelConfig, args), config_from(TrainConfig, args), run_config
 
 
 def check_out(out: Path | None) -> None:
@@ -409,6 +225,34 @@ def start_mpi() -> None:
             signal.signal(sig, handler)
 
 
+def say_results(
+    say: Callable[[str], None], history: History, strategy: str, ranks: int, config: TrainConfig
+) -> None:
+    """What rank 0 prints after training: the checkpoint it resumed from, if any, the
+    validation loss and the sampled names."""
+    resumed = history.resumed_from
+    if resumed is not None:
+        resharded = (resumed["strategy"], resumed["world_size"]) != (strategy, ranks)
+        say(
+            f"resumed from {resumed['path']} at step {resumed['step']} (saved by "
+            f"{resumed['strategy']} on {resumed['world_size']} ranks; this run: {strategy} "
+            f"on {ranks}" + (", resharded)" if resharded else ")")
+        )
+        if resumed["batch"] != config.batch:
+            say(
+                f"note: the global batch changes from {resumed['batch']} to {config.batch}:"
+                f" this run no longer matches one that never stopped"
+            )
+        if resumed["step"] == config.steps:
+            say(f"nothing to train: the checkpoint is already at step {config.steps}")
+    if history.val_loss is None:
+        say("no validation (--eval-batches 0)")
+    else:
+        say(f"Final validation loss: {history.val_loss:f}")
+    for line in history.samples:
+        say(line)
+
+
 def train_command(args) -> None:
     from .checkpoint import write_atomically, write_failure
     from .comm import Comm, together
@@ -437,31 +281,7 @@ def train_command(args) -> None:
         raise TrainingDiverged(
             f"error: training diverged: {err}" if comm.rank == 0 else ""
         ) from None
-    resumed = history.resumed_from
-    if resumed is not None:
-        say(
-            f"resumed from {resumed['path']} at step {resumed['step']} (saved by "
-            f"{resumed['strategy']} on {resumed['world_size']} ranks; this run: {strategy.name} "
-            f"on {comm.size}"
-            + (
-                ", resharded)"
-                if (resumed["strategy"], resumed["world_size"]) != (strategy.name, comm.size)
-                else ")"
-            )
-        )
-        if resumed["batch"] != train_config.batch:
-            say(
-                f"note: the global batch changes from {resumed['batch']} to {train_config.batch}:"
-                f" this run no longer matches one that never stopped"
-            )
-        if resumed["step"] == train_config.steps:
-            say(f"nothing to train: the checkpoint is already at step {train_config.steps}")
-    if history.val_loss is None:
-        say("no validation (--eval-batches 0)")
-    else:
-        say(f"Final validation loss: {history.val_loss:f}")
-    for line in history.samples:
-        say(line)
+    say_results(say, history, strategy.name, comm.size, train_config)
 
     # a collective under sharding: every rank takes part, one layer gathered at a time, and only
     # when params.npz is asked for; only rank 0, which writes it, keeps the copies

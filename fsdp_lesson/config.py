@@ -4,20 +4,26 @@
     TrainConfig   how to train it: strategy, optimizer, steps, batch, seed (all a checkpoint keeps)
     RunConfig     where a run reads and writes, and what it records beside training
 
-Field names are the command line's flags (`--batch` is `batch`, `--hidden` is `hidden`).
+A field made with `flag(...)` is also a flag of `python -m fsdp_lesson train`: its name, help
+and parsing sit here beside its default, once, and __main__ builds the parser from them.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
+from .data import DEFAULT_PATH
 from .precision import PRECISIONS
 from .sharding import STRATEGIES
 
 OPTIMIZERS = ("sgd", "adam")
 ACCUM_REDUCE = ("every", "last")
+COLLECTIVES = ("mpi", "ring")
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the seed's rate
 
 
@@ -30,15 +36,56 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def flag(name: str, default: Any, help: str, **parsing: Any) -> Any:
+    """A field with this default that `train` also takes as the flag `name`, with this help.
+
+    Its metadata holds argparse's keywords (help, and type, choices, action or metavar), so
+    __main__ builds the parser from the fields and nothing is said a second time.
+    """
+    return field(default=default, metadata={"flag": name, "help": help, **parsing})
+
+
+def integer_at_least(minimum: int, wording: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum, else the one line `must be <wording>, got X`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {wording}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = integer_at_least(1, "a positive integer")
+nonnegative_int = integer_at_least(0, "0 or more")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 and below infinity, else one line saying so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The character-level MLP: embedding -> layers x (Linear, ReLU) -> Linear -> softmax."""
 
     vocab_size: int = 27  # token 0 is '.', the boundary; a-z are 1-26
     seq_len: int = 16  # context length
-    emb: int = 16  # embedding width
-    hidden: int = 64  # width of every hidden layer
-    layers: int = 1  # hidden Linear+ReLU blocks; 1 is the seed's model
+    emb: int = flag("--emb", 16, "embedding width", type=positive_int)
+    hidden: int = flag("--hidden", 64, "hidden width", type=positive_int)
+    layers: int = flag(
+        "--layers", 1, "hidden Linear+ReLU blocks (1 is the seed's model)", type=positive_int
+    )
 
     def validate(self) -> None:
         for name, value in asdict(self).items():
@@ -52,29 +99,118 @@ class ModelConfig:
 class TrainConfig:
     """How to train: strategy, optimizer, steps, global batch, seed; defaults as in train_fsdp.c."""
 
-    strategy: str = "single"
-    optimizer: str = "sgd"
-    lr: float | None = None  # None: the optimizer's default (DEFAULT_LR), filled in at creation
-    steps: int = 25_000
-    batch: int = 32  # the global batch, split over ranks
-    seed: int = 42
-    c_compat: bool = False  # glibc rand() and the seed's init/data/sampling order
-    eval_batches: int = 100  # test batches for the final validation loss (0: none)
-    samples: int = 10  # names sampled at the end
-    log_every: int = 100
-    memory_budget_mb: float | None = None  # per rank; a run predicted to need more is refused
+    strategy: str = flag(
+        "--strategy",
+        "single",
+        "where the bytes live: single (one rank, everything), dp (every rank a full replica, "
+        "gradients allreduced), zero1 (optimizer state sharded), zero2 (+ gradients sharded), "
+        "zero3 (+ parameters sharded: gathered layer by layer)",
+        choices=STRATEGIES,
+    )
+    optimizer: str = flag("--optimizer", "sgd", "the update", choices=OPTIMIZERS)
+    lr: float | None = flag(  # None: the optimizer's default (DEFAULT_LR), filled in at creation
+        "--lr",
+        None,
+        "learning rate (default: 0.1 for sgd, the seed's; 1e-3 for adam)",
+        type=positive_float,
+    )
+    steps: int = flag(
+        "--steps",
+        25_000,
+        "optimizer steps (0: initialise, evaluate, sample, exit)",
+        type=nonnegative_int,
+    )
+    batch: int = flag("--batch", 32, "global batch, split over the ranks", type=positive_int)
+    seed: int = flag("--seed", 42, "random seed", type=int)
+    c_compat: bool = flag(
+        "--c-compat",
+        False,
+        "glibc rand() and the seed's order: reproduces train.c's numbers",
+        action="store_true",
+    )
+    eval_batches: int = flag(
+        "--eval-batches",
+        100,
+        "test batches for the final validation loss (0: no validation)",
+        type=nonnegative_int,
+    )
+    samples: int = flag("--samples", 10, "names to sample at the end", type=nonnegative_int)
+    log_every: int = flag("--log-every", 100, "print the loss every K steps", type=positive_int)
+    memory_budget_mb: float | None = flag(
+        "--memory-budget-mb",
+        None,
+        "per-rank budget in MiB: a run that would need more is refused",
+        type=positive_float,
+    )
     # zero3 only (FSDP's options): units, prefetch, reshard after forward, hybrid sharding
-    layers_per_unit: int = 1  # consecutive parameterised layers gathered as one unit
-    prefetch: bool = True  # gather the next unit while this one computes (same numbers)
-    reshard_after_forward: bool = True  # False: keep units gathered from forward to backward
-    replicate: int = 1  # HSDP: R groups of N/R ranks; shard within, average across
+    layers_per_unit: int = flag(
+        "--layers-per-unit",
+        1,
+        "zero3: gather, free and reduce-scatter K consecutive layers as one unit",
+        type=positive_int,
+    )
+    prefetch: bool = flag(  # the same numbers either way
+        "--prefetch",
+        True,
+        "zero3: gather the next unit and reduce-scatter gradients while computing",
+        action=argparse.BooleanOptionalAction,
+    )
+    reshard_after_forward: bool = flag(
+        "--no-reshard-after-forward",
+        True,
+        "zero3: keep each unit gathered from forward to backward (2x instead of 3x traffic)",
+        action="store_false",
+    )
+    replicate: int = flag(
+        "--replicate",
+        1,
+        "zero3 HSDP: R replica groups of N/R ranks; shard within, average across",
+        type=positive_int,
+    )
     # the other memory levers (precision.py, docs/architecture.md "Memory levers")
-    precision: str = "fp32"  # bf16/fp16: 16-bit params and grads, fp32 master weights
-    accum: int = 1  # micro-batches of `batch` rows each per optimizer step
-    accum_reduce: str = "every"  # zero2/zero3: reduce every micro-batch, or once at the "last"
-    recompute: bool = False  # keep only each block's input in forward; recompute in backward
-    clip_grad_norm: float | None = None  # scale the gradient down to this global norm at most
-    timeout: float = 300.0  # seconds a collective may wait before the job ends (comm.py, exit 4)
+    precision: str = flag(
+        "--precision",
+        "fp32",
+        "bf16/fp16: 16-bit params and grads, fp32 master weights (fp16: loss scaling)",
+        choices=PRECISIONS,
+    )
+    accum: int = flag(
+        "--accum",
+        1,
+        "gradient accumulation: K micro-batches of --batch rows per optimizer step",
+        type=positive_int,
+    )
+    accum_reduce: str = flag(  # zero2/zero3
+        "--accum-reduce",
+        "every",
+        "reduce gradients after every micro-batch, or once after the last (DDP's no_sync,"
+        " FSDP2's set_requires_gradient_sync(False))",
+        choices=ACCUM_REDUCE,
+    )
+    recompute: bool = flag(
+        "--recompute",
+        False,
+        "activation recomputation: keep each block's input, recompute the rest in backward",
+        action="store_true",
+    )
+    clip_grad_norm: float | None = flag(
+        "--clip-grad-norm",
+        None,
+        "scale each step's gradient down to a global norm of at most X, over all shards"
+        " (torch.nn.utils.clip_grad_norm_)",
+        type=positive_float,
+        metavar="X",
+    )
+    timeout: float = flag(  # comm.py
+        "--timeout",
+        300.0,
+        "a rank that waits longer than this in one collective (another rank stopped, hung"
+        " or gone) ends every rank with one line naming the collective and the ranks that did"
+        " not arrive, exit code 4; the default is far above this lesson's longest healthy wait"
+        " (a peer's start-up or checkpoint write: seconds) and ends a stalled job in minutes",
+        type=positive_float,
+        metavar="SECONDS",
+    )
 
     def __post_init__(self) -> None:
         if self.lr is None and self.optimizer in DEFAULT_LR:
@@ -136,6 +272,10 @@ class TrainConfig:
             self.accum_reduce in ACCUM_REDUCE,
             f"unknown accum_reduce {self.accum_reduce!r}: choose every or last",
         )
+        self._validate_ranks(world_size)
+
+    def _validate_ranks(self, world_size: int) -> None:
+        """The checks that need the rank count: after validate's own, so replicate >= 1."""
         _require(
             world_size % self.replicate == 0,
             f"--replicate {self.replicate} does not divide {world_size} ranks into equal "
@@ -166,16 +306,55 @@ class TrainConfig:
 class RunConfig:
     """Where a run reads and writes, and what it records; none of it changes the numbers."""
 
-    data: Path | None = None  # the names file; None: the lesson's data/names.txt
-    checkpoint_dir: Path | None = None  # where sharded checkpoints go
-    save_every: int | None = None  # save every so many steps (and at the end)
-    resume: Path | None = None  # continue from this checkpoint
-    reshard: bool = False  # allow resuming a checkpoint of another strategy, N or global batch
-    overwrite: bool = False  # a fresh run may replace a checkpoint already in checkpoint_dir
-    collectives: str = "mpi"  # "mpi": the library's; "ring": ring.py's, whose bytes are measured
+    data: Path | None = field(  # None: the lesson's data/names.txt, the flag's default
+        default=None,
+        metadata={
+            "flag": "--data",
+            "help": "names file, one per line",
+            "type": Path,
+            "default": DEFAULT_PATH,
+        },
+    )
+    checkpoint_dir: Path | None = None  # where sharded checkpoints go (the CLI: OUT/checkpoint)
+    save_every: int | None = flag(
+        "--save-every",
+        None,
+        "save a sharded checkpoint to OUT/checkpoint every K steps (and at the end)",
+        type=positive_int,
+    )
+    resume: Path | None = flag(
+        "--resume",
+        None,
+        "continue from a checkpoint (its directory, or the --out that holds it)",
+        type=Path,
+    )
+    reshard: bool = flag(  # also of another global batch
+        "--reshard",
+        False,
+        "allow resuming a checkpoint saved by another strategy or rank count",
+        action="store_true",
+    )
+    overwrite: bool = flag(
+        "--overwrite",
+        False,
+        "a fresh run (no --resume) may replace the checkpoint already in OUT/checkpoint",
+        action="store_true",
+    )
+    collectives: str = flag(
+        "--collectives",
+        "mpi",
+        "mpi: the MPI library's collectives (traffic counted by the ring model); ring: the "
+        "lesson's rings of Sendrecv (traffic measured: the bytes really sent)",
+        choices=COLLECTIVES,
+    )
     trace_memory: bool = False  # also measure the peak with tracemalloc (slower)
     timeline_step: int | None = None  # record the ledger's every change during this step
-    trace_step: int | None = None  # record the wall-clock spans of compute and collectives
+    trace_step: int | None = flag(
+        "--trace-step",
+        None,
+        "record the wall-clock spans of this step's compute and collectives",
+        type=nonnegative_int,
+    )
 
     def __post_init__(self) -> None:
         for name in ("data", "checkpoint_dir", "resume"):  # a str is a path too
@@ -184,7 +363,7 @@ class RunConfig:
 
     def validate(self) -> None:
         _require(
-            self.collectives in ("mpi", "ring"),
+            self.collectives in COLLECTIVES,
             f"collectives {self.collectives!r}: choose mpi (the library's) or ring (ring.py's)",
         )
         _require(
