@@ -7,16 +7,21 @@ from .base import Strategy
 
 
 class Single(Strategy):
-    """Full parameters, full gradients, full optimizer state."""
+    """Full parameters, full gradients, full optimizer state. Its hooks (whole parameters,
+    whole gradients) are dp's, zero1's and zero2's too; those change what follows backward."""
 
     name = "single"
 
     def __init__(self, model, optimizer, comm, ledger, **levers) -> None:
         super().__init__(model, optimizer, comm, ledger, **levers)
         self.params = self.alloc_per_layer("params", "params")
-        self.grads = self.alloc_per_layer("grads", "grads")
         self.opt_state = self.init_optimizer_state()
         self.param_views = {name: f.views(self.params[name]) for name, f in self.layout.items()}
+        self.alloc_grads()
+
+    def alloc_grads(self) -> None:
+        """Every layer's whole gradient, where backward writes it (zero2 keeps a shard)."""
+        self.grads = self.alloc_per_layer("grads", "grads")
         self.grad_views = {name: f.views(self.grads[name]) for name, f in self.layout.items()}
 
     def param_arrays(self):

@@ -8,39 +8,16 @@ allreduce is a reduce-scatter plus an allgather, so this moves the same 2Ψ as d
 
 from __future__ import annotations
 
-from ..model import Params
-from .base import Strategy
+from .single import Single
 
 
-class ZeRO1(Strategy):
-    """Full (padded) params and grads on every rank; optimizer state for the owned shard only."""
+class ZeRO1(Single):
+    """Full (padded) params and grads on every rank; optimizer state for the owned shard only.
+
+    Allocation (by the sharding table's row) and the hooks are single's: what differs is
+    the step."""
 
     name = "zero1"
-
-    def __init__(self, model, optimizer, comm, ledger, **levers) -> None:
-        super().__init__(model, optimizer, comm, ledger, **levers)
-        self.params = self.alloc_per_layer("params", "params")
-        self.opt_state = self.init_optimizer_state()
-        self.param_views = {name: f.views(self.params[name]) for name, f in self.layout.items()}
-        self.alloc_grads()
-
-    def alloc_grads(self) -> None:
-        """zero1 keeps every layer's full gradient (zero2 changes only this and reduce_grads)."""
-        self.grads = self.alloc_per_layer("grads", "grads")
-        self.grad_views = {name: f.views(self.grads[name]) for name, f in self.layout.items()}
-
-    def param_arrays(self):
-        return self.params
-
-    def materialize(self, layer) -> Params:
-        return self.upcast(layer, self.param_views[layer.name])
-
-    def grad_buffer(self, layer) -> Params:
-        """The layer's whole gradient; after the first micro-batch, added to (accumulation)."""
-        return self.backward_buffer(layer, self.grad_views[layer.name], self.micro > 0)
-
-    def reduce_grads(self, layer) -> None:
-        self.land_grad(layer)  # the reduction waits for step(): once per step, in either mode
 
     def owned_grad(self, name: str):
         """The mean over ranks of this rank's slice of the layer's gradient."""
