@@ -98,7 +98,7 @@ class Comm:
         self.ring = Ring(mpi_comm, sent=self.traffic) if collectives == "ring" else None
         # mpi mode's 16-bit reductions: the ring summing in numpy (its own sends not recorded:
         # the call is counted by the ring model, as every call of mpi mode)
-        self.summing = self.ring or Ring(mpi_comm)
+        self.numpy_ring = self.ring or Ring(mpi_comm)
         # mpi mode, per call: (RING_FACTOR * (N-1), messages); sent_bytes += that * F / N
         self._counted = {kind: (f * (n - 1), f * (n - 1)) for kind, f in RING_FACTOR.items()}
         self._counted["bcast"] = (n - 1, (n - 1) / n)
@@ -163,7 +163,7 @@ class Comm:
         start = perf_counter()
         if self.size > 1:
             if self.ring is not None or buf.dtype.itemsize == 2:
-                self._blocking("allreduce", self.summing.allreduce, buf)
+                self._blocking("allreduce", self.numpy_ring.allreduce, buf)
             else:
                 self._blocking(
                     "allreduce", self.mpi.Allreduce, self.MPI.IN_PLACE, buf, op=self.MPI.SUM
@@ -213,7 +213,7 @@ class Comm:
                 shard[...] = full
         else:
             if self.ring is not None or full.dtype.itemsize == 2:
-                self._blocking("reduce_scatter", self.summing.reduce_scatter, full, shard)
+                self._blocking("reduce_scatter", self.numpy_ring.reduce_scatter, full, shard)
             else:
                 send, recv = (self.MPI.IN_PLACE, full) if in_place else (full, shard)
                 self._blocking(

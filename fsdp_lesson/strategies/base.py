@@ -73,7 +73,7 @@ class Strategy:
         self.scaler = LossScaler() if precision == "fp16" else None
         # gradient accumulation: micro-batch `micro` of `accum`; "last" reduces only at the last
         self.accum, self.accum_reduce, self.micro = accum, accum_reduce, 0
-        self.landing: dict[str, tuple[Params, Params, bool]] = {}  # float32 grads to store
+        self.scratch_grads: dict[str, tuple[Params, Params, bool]] = {}  # float32 grads to store
         self.upcasts: dict[str, Params] = {}  # float32 copies of 16-bit params, until release
         # gradient clipping: the factor clip_grads found for this step's gradients (update)
         self.clip_grad_norm, self.clip_factor = clip_grad_norm, 1.0
@@ -279,14 +279,14 @@ class Strategy:
             return target
         flat = FlatParam(layer.shapes)
         scratch = flat.views(self.ledger.alloc("buffers", flat.numel, f"{layer.name} grad fp32"))
-        self.landing[layer.name] = (scratch, target, accumulate)
+        self.scratch_grads[layer.name] = (scratch, target, accumulate)
         return scratch
 
     def land_grad(self, layer) -> None:
         """Store the scratch gradient of backward_buffer into its target and free the scratch."""
-        if layer.name not in self.landing:
+        if layer.name not in self.scratch_grads:
             return
-        scratch, target, accumulate = self.landing.pop(layer.name)
+        scratch, target, accumulate = self.scratch_grads.pop(layer.name)
         for key, g in scratch.items():
             if self.scaler is not None:
                 g *= np.float32(self.scaler.scale)  # a power of two: exact in float32

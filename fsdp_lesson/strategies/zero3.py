@@ -177,27 +177,29 @@ class ZeRO3(Strategy):
         unit = self.units[u]
         if not unit.flat.numel or layer.name != unit.layers[0] or not self.reducing_now:
             return
-        full, shard, part = self.full_grads[u], self.grad_shards[unit.name], None
+        full, shard, micro_shard = self.full_grads[u], self.grad_shards[unit.name], None
         if self.micro > 0 and not self.keep_full:  # "every": this micro-batch's, to add
             label = f"{unit.name} micro-batch grad shard"
-            shard = part = self.ledger.alloc("buffers", shard.size, label, self.dtype)
+            shard = micro_shard = self.ledger.alloc("buffers", shard.size, label, self.dtype)
         if self.prefetch:  # runs during the next unit's backward; wait for the one before
-            self.reducing.append((u, self.shard_comm.ireduce_scatter_mean(full, shard), part))
+            self.reducing.append(
+                (u, self.shard_comm.ireduce_scatter_mean(full, shard), micro_shard)
+            )
             while len(self.reducing) > 1:
                 self._finish_reduce(*self.reducing.pop(0))
         else:  # the same call, waited for at once: MPI sums in the same order either way
-            self._finish_reduce(u, self.shard_comm.ireduce_scatter_mean(full, shard), part)
+            self._finish_reduce(u, self.shard_comm.ireduce_scatter_mean(full, shard), micro_shard)
 
-    def _finish_reduce(self, u: int, request: Request, part: np.ndarray | None) -> None:
+    def _finish_reduce(self, u: int, request: Request, micro_shard: np.ndarray | None) -> None:
         request.wait()
         self._span("comm", f"reduce_scatter {self.units[u].name}", request.issued)
-        self._free_grad(u, part)
+        self._free_grad(u, micro_shard)
 
-    def _free_grad(self, u: int, part: np.ndarray | None = None) -> None:
-        """The unit's mean gradient shard is in place (a micro-batch's `part` added to it):
+    def _free_grad(self, u: int, micro_shard: np.ndarray | None = None) -> None:
+        """The unit's mean gradient shard is in place (a micro-batch's `micro_shard` added to it):
         its full gradient is free again."""
-        if part is not None:
-            self.grad_shards[self.units[u].name] += part
+        if micro_shard is not None:
+            self.grad_shards[self.units[u].name] += micro_shard
             self.ledger.free(f"{self.units[u].name} micro-batch grad shard")
         del self.full_grads[u]
         self.ledger.free(f"{self.units[u].name} full grad")
