@@ -253,6 +253,21 @@ def say_results(
         say(line)
 
 
+def say_between_hosts(say: Callable[[str], None], traffic: list[dict]) -> None:
+    """When the ranks span hosts: how many of the bytes they sent went to another host."""
+    from .comm import bytes_between_hosts
+
+    between = [bytes_between_hosts(report) for report in traffic]
+    if not any(between):
+        return
+    sent = sum(t["sent_bytes"] for report in traffic for t in report.values())
+    how = next(iter(traffic[0].values()))["how"]  # measured (ring) or counted (ring model)
+    say(
+        f"between hosts: {sum(between) / 1e6:,.2f} MB of the {sent / 1e6:,.2f} MB the ranks sent"
+        f" ({how}: the sends to a right ring neighbour on another host)"
+    )
+
+
 def train_command(args) -> None:
     from .checkpoint import write_atomically, write_failure
     from .comm import Comm, together
@@ -287,6 +302,8 @@ def train_command(args) -> None:
     # when params.npz is asked for; only rank 0, which writes it, keeps the copies
     params = strategy.full_params(root=0) if args.out is not None else {}
     per_rank = comm.gather_objects({"memory": history.memory, "traffic": history.traffic})
+    if comm.rank == 0:
+        say_between_hosts(say, [r["traffic"] for r in per_rank])
 
     def write_out() -> None:  # as checkpoints are written: no torn file, even on a full disk
         if args.out is None or comm.rank != 0:

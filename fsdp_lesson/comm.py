@@ -94,6 +94,10 @@ class Comm:
         self.size = n = 1 if mpi_comm is None else mpi_comm.Get_size()
         self.collectives = collectives
         self.traffic = {kind: Traffic() for kind in KINDS}
+        # whether this rank's right neighbour on the ring runs on another host: then, in the
+        # ring model, every byte this rank sends on this communicator crosses the network
+        self.sends_between_hosts = n > 1 and (self.rank + 1) % n not in self.arrivals.here
+        self.between_hosts = dict.fromkeys(self.traffic, self.sends_between_hosts)
         # ring mode: the ring adds what it sends straight into the Traffic records
         self.ring = Ring(mpi_comm, sent=self.traffic) if collectives == "ring" else None
         # mpi mode's 16-bit reductions: the ring summing in numpy (its own sends not recorded:
@@ -276,7 +280,10 @@ class Comm:
         """Per kind: calls, buffer_bytes, sent_bytes, messages, seconds, and how the bytes and
         messages were obtained: "measured" (ring mode) or "counted" (the ring model, mpi mode)."""
         how = "measured" if self.ring is not None else "counted"
-        return {kind: asdict(t) | {"how": how} for kind, t in self.traffic.items()}
+        return {
+            kind: asdict(t) | {"how": how, "between_hosts": self.between_hosts[kind]}
+            for kind, t in self.traffic.items()
+        }
 
     # --- non-blocking collectives and sub-communicators (dp's and zero3's overlap, HSDP) ---
 
@@ -314,7 +321,15 @@ class Comm:
         child.name = name
         for kind, traffic in child.traffic.items():
             self.traffic[f"{kind} ({name})"] = traffic  # the same object: one count, two views
+            self.between_hosts[f"{kind} ({name})"] = child.sends_between_hosts
         return child
+
+
+def bytes_between_hosts(traffic_report: dict[str, dict]) -> float:
+    """The bytes of one rank's report that went to a rank on another host: its sends on every
+    communicator whose right ring neighbour is elsewhere (measured in ring mode, counted by the
+    ring model in mpi mode, where the library may route them otherwise)."""
+    return sum(t["sent_bytes"] for t in traffic_report.values() if t.get("between_hosts"))
 
 
 class Request:
@@ -380,8 +395,11 @@ class Arrivals:
         self.size = mpi_comm.Get_size()
         self.table = None  # rows (entered, pid) of this host's ranks, or None: unavailable
         self.row, self.world_ranks, self.window = 0, [], None
+        local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+        group, whole = local.Get_group(), mpi_comm.Get_group()
+        self.here = set(group.Translate_ranks(list(range(local.Get_size())), whole))
+        whole.Free()  # `here`: the ranks of mpi_comm on this host (sharing its memory)
         try:
-            local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
             n, self.row = local.Get_size(), local.Get_rank()
             nbytes = 16 * (n + 1) if self.row == 0 else 0
             self.window = MPI.Win.Allocate_shared(nbytes, 8, comm=local)
@@ -391,13 +409,13 @@ class Arrivals:
             if self.row == 0:
                 self.table[n] = (0, 0)  # nobody reports yet
             local.Barrier()  # every row written before anyone could read it
-            group, world = local.Get_group(), MPI.COMM_WORLD.Get_group()
+            world = MPI.COMM_WORLD.Get_group()
             self.world_ranks = group.Translate_ranks(list(range(n)), world)
-            group.Free()
             world.Free()
-            local.Free()
         except MPI.Exception:  # an MPI without shared windows: the message says less
             self.table = None
+        group.Free()
+        local.Free()
 
     @classmethod
     def of(cls, mpi_comm, MPI) -> Arrivals:

@@ -23,6 +23,7 @@ from .sharding import STRATEGIES
 
 OPTIMIZERS = ("sgd", "adam")
 ACCUM_REDUCE = ("every", "last")
+SHARD_GROUPS = ("consecutive", "strided")
 COLLECTIVES = ("mpi", "ring")
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the seed's rate
 
@@ -167,6 +168,13 @@ class TrainConfig:
         "zero3 HSDP: R replica groups of N/R ranks; shard within, average across",
         type=positive_int,
     )
+    shard_group: str = flag(
+        "--shard-group",
+        "consecutive",
+        "zero3 HSDP: shard over N/R consecutive ranks (a host's, when hosts hold N/R ranks each:"
+        " the fast links) and replicate across them; or over ranks R apart (the opposite)",
+        choices=SHARD_GROUPS,
+    )
     # the other memory levers (precision.py, docs/architecture.md "Memory levers")
     precision: str = flag(
         "--precision",
@@ -254,6 +262,15 @@ class TrainConfig:
             or (self.layers_per_unit, self.reshard_after_forward, self.replicate) == (1, True, 1),
             "--layers-per-unit, --no-reshard-after-forward and --replicate shape how zero3 "
             "shards: use them with --strategy zero3",
+        )
+        _require(
+            self.shard_group in SHARD_GROUPS,
+            f"unknown shard_group {self.shard_group!r}: choose consecutive or strided",
+        )
+        _require(
+            self.shard_group == "consecutive" or self.replicate > 1,
+            "--shard-group strided places HSDP's groups: use it with --strategy zero3"
+            " --replicate R (R > 1)",
         )
         _require(
             self.precision in PRECISIONS,

@@ -180,31 +180,26 @@ def ledger_bytes(
     optimizer: str,
     micro_batch: int,
     *,
-    layers_per_unit: int = 1,
-    prefetch: bool = True,
-    reshard_after_forward: bool = True,
-    replicate: int = 1,
     precision: str = "fp32",
     accum: int = 1,
     accum_reduce: str = "every",
     recompute: bool = False,
+    **options,
 ) -> dict:
     """What MemoryLedger's peaks per category will be for this run, to the byte: the
     strategy's own code initialises the model and takes one step on placeholders (dryrun.py),
     so the prediction comes from the lines that allocate.
 
-    The keyword arguments are the strategies' own options (zero3's) and the memory levers
-    (TrainConfig's fields of the same names); the defaults are a run without them.
+    The keyword arguments are the memory levers and the strategies' own options (zero3's
+    layers_per_unit, prefetch, ...; TrainConfig's fields of the same names); the defaults
+    are a run without them. Another strategy's options are ignored.
     """
     from .dryrun import dry_run  # it runs the loop, which plans its memory with this module
     from .strategies import STRATEGY_CLASSES
 
-    own = dict(
-        layers_per_unit=layers_per_unit,
-        prefetch=prefetch,
-        reshard_after_forward=reshard_after_forward,
-        replicate=replicate,
-    )
+    known = set().union(*(s.options for s in STRATEGY_CLASSES.values()))
+    if set(options) - known:
+        raise TypeError(f"ledger_bytes: no strategy has the options {sorted(set(options) - known)}")
     ledger = dry_run(
         strategy,
         model_config,
@@ -215,6 +210,6 @@ def ledger_bytes(
         accum=accum,
         accum_reduce=accum_reduce,
         recompute=recompute,
-        **{k: v for k, v in own.items() if k in STRATEGY_CLASSES[strategy].options},
+        **{k: v for k, v in options.items() if k in STRATEGY_CLASSES[strategy].options},
     )
     return dict(ledger.peak)

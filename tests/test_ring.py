@@ -109,6 +109,7 @@ def test_measured_bytes_and_messages_equal_the_ring_formula(world):
         for rank, r in enumerate(ranks):
             measured, counted = r["ring_traffic"][kind], r["mpi_traffic"][kind]
             assert measured["how"] == "measured" and counted["how"] == "counted"
+            assert not measured["between_hosts"] and not counted["between_hosts"]  # one machine
             assert measured["calls"] == counted["calls"] == 1
             assert measured["buffer_bytes"] == counted["buffer_bytes"] == full
             if kind == "bcast":  # a chain: every rank but the root's left neighbour passes it on

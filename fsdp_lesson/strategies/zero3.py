@@ -16,6 +16,10 @@ Options, with their FSDP2 (`fully_shard`) and DeepSpeed names:
                              (DeepSpeed's cousin: stage3_param_persistence_threshold).
     replicate R              HSDP: N/R ranks shard, R such groups replicate; gradient shards
                              are averaged across groups (FSDP2's 2-D device mesh).
+    shard_group              which ranks shard together under HSDP: "consecutive" (FSDP2's
+                             mesh of shape (R, N/R): the ranks of one host, where the links are
+                             fast, when hosts hold N/R ranks each) or "strided" (ranks R apart:
+                             the shard groups span the hosts; the contrast).
 
 Gradient accumulation (zero2's docstring has the trade): "every" reduce-scatters each unit's
 gradient after every micro-batch and adds it into the owned shard; "last" keeps every unit's
@@ -39,8 +43,9 @@ class ZeRO3(Strategy):
     """Shards only; a unit's full parameters and gradient exist only while it runs."""
 
     name = "zero3"
-    options = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")
-    options_a_resume_may_change = frozenset({"prefetch", "reshard_after_forward"})
+    options = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate", "shard_group")
+    # shard_group places --replicate's groups, and runs with --replicate do not checkpoint
+    options_a_resume_may_change = frozenset({"prefetch", "reshard_after_forward", "shard_group"})
 
     def __init__(
         self,
@@ -52,15 +57,19 @@ class ZeRO3(Strategy):
         prefetch: bool = True,
         reshard_after_forward: bool = True,
         replicate: int = 1,
+        shard_group: str = "consecutive",
         **levers,
     ) -> None:
         super().__init__(model, optimizer, comm, ledger, **levers)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.shard_comm, self.replica_comm = comm, None
-        if replicate > 1:  # groups of consecutive ranks shard; rank r of every group replicate
+        if replicate > 1:  # a shard group and a replica group through every rank
             group = comm.size // replicate
-            self.shard_comm = comm.split(comm.rank // group, comm.rank, "shard")
-            self.replica_comm = comm.split(comm.rank % group, comm.rank, "replicate")
+            shard_color, replica_color = comm.rank // group, comm.rank % group
+            if shard_group == "strided":  # ranks R apart shard; consecutive ones replicate
+                shard_color, replica_color = comm.rank % replicate, comm.rank // replicate
+            self.shard_comm = comm.split(shard_color, comm.rank, "shard")
+            self.replica_comm = comm.split(replica_color, comm.rank, "replicate")
         self.units = make_units(model.layers, layers_per_unit, self.shard_comm.size)
         self.unit_of = {layer: u for u, unit in enumerate(self.units) for layer in unit.layers}
         self.nonempty = [u for u, unit in enumerate(self.units) if unit.flat.numel]
