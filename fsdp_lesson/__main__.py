@@ -269,7 +269,6 @@ def say_between_hosts(say: Callable[[str], None], traffic: list[dict]) -> None:
 
 
 def train_command(args) -> None:
-    from .checkpoint import write_atomically, write_failure
     from .comm import Comm, together
     from .train import REFUSALS, Diverged, run
 
@@ -305,31 +304,40 @@ def train_command(args) -> None:
     if comm.rank == 0:
         say_between_hosts(say, [r["traffic"] for r in per_rank])
 
-    def write_out() -> None:  # as checkpoints are written: no torn file, even on a full disk
-        if args.out is None or comm.rank != 0:
-            return
-        record = history.to_dict() | {
-            "memory": [r["memory"] for r in per_rank],
-            "traffic": [r["traffic"] for r in per_rank],
-        }
-        text = json.dumps(record, indent=1, allow_nan=False).encode()
-        arrays = {f"{layer}.{k}": v for layer, p in params.items() for k, v in p.items()}
-        try:
-            args.out.mkdir(parents=True, exist_ok=True)
-            write_atomically(
-                {
-                    args.out / "history.json": lambda f: f.write(text),
-                    args.out / "params.npz": lambda f: np.savez(f, **arrays),
-                }
-            )
-        except OSError as err:
-            raise ConfigError(write_failure(err)) from None
-        say(f"wrote {args.out / 'history.json'} and {args.out / 'params.npz'}")
+    def write_run() -> None:  # rank 0 writes; every rank ends with its exit code
+        if comm.rank == 0 and args.out is not None:
+            write_out(args.out, history, per_rank, params, say)
 
-    try:  # rank 0 writes; every rank ends with its exit code
-        together(comm, write_out, REFUSALS)
+    try:
+        together(comm, write_run, REFUSALS)
     except REFUSALS as err:
         raise UsageError(f"error: {err}") from None
+
+
+def write_out(
+    out: Path, history: History, per_rank: list[dict], params: dict, say: Callable[[str], None]
+) -> None:
+    """history.json (every rank's memory and traffic with it) and params.npz into out, as
+    checkpoints are written: no torn file, even on a full disk."""
+    from .checkpoint import write_atomically, write_failure
+
+    record = history.to_dict() | {
+        "memory": [r["memory"] for r in per_rank],
+        "traffic": [r["traffic"] for r in per_rank],
+    }
+    text = json.dumps(record, indent=1, allow_nan=False).encode()
+    arrays = {f"{layer}.{k}": v for layer, p in params.items() for k, v in p.items()}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomically(
+            {
+                out / "history.json": lambda f: f.write(text),
+                out / "params.npz": lambda f: np.savez(f, **arrays),
+            }
+        )
+    except OSError as err:
+        raise ConfigError(write_failure(err)) from None
+    say(f"wrote {out / 'history.json'} and {out / 'params.npz'}")
 
 
 def data_command(args) -> int:

@@ -486,7 +486,7 @@ def whereabouts(frame) -> str:
 
     Read only when a collective has timed out, so the hot path pays nothing for it: the layer
     is the innermost `layer` or `unit` of a strategy's hook (its argument), the phase the
-    innermost function of PHASES, else the training loop's step (train.run's `step`).
+    innermost function of PHASES, else the training loop's step (train.train_loop's `step`).
     """
     layer = phase = None
     while frame is not None:
@@ -499,7 +499,7 @@ def whereabouts(frame) -> str:
                     break
         if phase is None and name in PHASES:
             phase = PHASES[name]
-        if phase is None and name == "run" and isinstance(local.get("step"), int):
+        if phase is None and name == "train_loop" and isinstance(local.get("step"), int):
             phase = f"step {local['step']}"
         frame = frame.f_back
     return " ".join(

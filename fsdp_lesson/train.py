@@ -359,27 +359,7 @@ def run(
     on_log(step, loss) is called every train_config.log_every steps and at the last one.
     """
     comm, rc, tc = comm or Comm(), run_config or RunConfig(), train_config
-
-    def prepare() -> Dataset:
-        tc.validate(comm.size)
-        model_config.validate()
-        rc.validate()
-        if rc.resume is None and rc.checkpoint_dir is not None and not rc.overwrite:
-            existing = find_checkpoint(rc.checkpoint_dir)
-            if existing is not None:
-                raise ConfigError(
-                    f"{existing} already holds a checkpoint: continue it with --resume "
-                    f"{rc.checkpoint_dir.parent}, or replace it with --overwrite"
-                )
-        if tc.replicate > 1 and (rc.save_every or rc.resume):
-            raise ConfigError(
-                "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
-                "replica group would save its copy; save or resume without --replicate"
-            )
-        check_memory(model_config, tc, comm, None if data else rc.data or DEFAULT_PATH)
-        return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
-
-    data = together(comm, prepare, REFUSALS)
+    data = together(comm, lambda: prepare(model_config, tc, rc, comm, data), REFUSALS)
     comm.timeout = tc.timeout  # validated: from here each collective waits at most this long
     settings = comm.allgather_objects((asdict(model_config), tc.to_dict()))
     if any(other != settings[0] for other in settings):  # every rank sees the same list
@@ -401,38 +381,83 @@ def run(
     )
     # layer by layer, each rank only what it holds
     together(comm, lambda: strategy.init_params(rng), REFUSALS)
+    first_step = 0 if rc.resume is None else resume(rc, strategy, rng, history)
+    train_loop(model, strategy, data, rng, history, first_step, tc, rc, on_log)
+    finish(model, strategy, data, rng, history, tc, rc)
+    return history, strategy
+
+
+def prepare(
+    model_config: ModelConfig, tc: TrainConfig, rc: RunConfig, comm: Comm, data: Dataset | None
+) -> Dataset:
+    """Every refusal a rank can reach before anything is allocated, then the data."""
+    tc.validate(comm.size)
+    model_config.validate()
+    rc.validate()
+    if rc.resume is None and rc.checkpoint_dir is not None and not rc.overwrite:
+        existing = find_checkpoint(rc.checkpoint_dir)
+        if existing is not None:
+            raise ConfigError(
+                f"{existing} already holds a checkpoint: continue it with --resume "
+                f"{rc.checkpoint_dir.parent}, or replace it with --overwrite"
+            )
+    if tc.replicate > 1 and (rc.save_every or rc.resume):
+        raise ConfigError(
+            "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
+            "replica group would save its copy; save or resume without --replicate"
+        )
+    check_memory(model_config, tc, comm, None if data else rc.data or DEFAULT_PATH)
+    return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
+
+
+def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int:
+    """Load rc.resume into strategy and rng, carry its losses into history; the step it was at."""
+    comm = strategy.comm
+    manifest = together(
+        comm,
+        lambda: load_checkpoint(
+            rc.resume, strategy, rng, history.model_config, history.train_config, reshard=rc.reshard
+        ),
+        REFUSALS,
+    )
+    loaded = comm.allgather_objects(manifest["files"])
+    if any(files != loaded[0] for files in loaded):  # every rank sees the same list
+        raise CheckpointError("the ranks loaded different checkpoints: give all the same --resume")
+    first_step = manifest["step"]
+    if rc.trace_step is not None and rc.trace_step < first_step:  # it would record nothing
+        raise ConfigError(
+            f"--trace-step {rc.trace_step} comes before step {first_step}, where this run "
+            f"resumes: choose a step from {first_step} on"
+        )
+    history.losses[:first_step] = manifest["losses"]  # the checkpoint carries them
+    for series in (history.local_losses, history.step_seconds):
+        series[:first_step] = np.nan  # this rank's figures of an earlier process
+    history.resumed_from = {
+        "path": manifest["path"],
+        "step": first_step,
+        "strategy": manifest["strategy"],
+        "world_size": manifest["world_size"],
+        "batch": manifest["train_config"]["batch"],
+    }
+    return first_step
+
+
+def train_loop(
+    model: MLP,
+    strategy: Strategy,
+    data: Dataset,
+    rng: Rng,
+    history: History,
+    first_step: int,
+    tc: TrainConfig,
+    rc: RunConfig,
+    on_log: Callable[[int, float], None] | None,
+) -> None:
+    """Steps first_step .. steps - 1: train_step on this rank's slice of each global batch,
+    the global loss, what the run records of a step, and checkpoints."""
+    comm, ledger = strategy.comm, strategy.ledger
     # a step takes accum global batches of tc.batch rows: as one batch of tc.batch * accum
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch * tc.accum, rng)
-    configs = (asdict(model_config), tc.to_dict())
-    first_step = 0
-    if rc.resume is not None:
-        manifest = together(
-            comm,
-            lambda: load_checkpoint(rc.resume, strategy, rng, *configs, reshard=rc.reshard),
-            REFUSALS,
-        )
-        loaded = comm.allgather_objects(manifest["files"])
-        if any(files != loaded[0] for files in loaded):  # every rank sees the same list
-            raise CheckpointError(
-                "the ranks loaded different checkpoints: give all the same --resume"
-            )
-        first_step = manifest["step"]
-        if rc.trace_step is not None and rc.trace_step < first_step:  # it would record nothing
-            raise ConfigError(
-                f"--trace-step {rc.trace_step} comes before step {first_step}, where this run "
-                f"resumes: choose a step from {first_step} on"
-            )
-        history.losses[:first_step] = manifest["losses"]  # the checkpoint carries them
-        for series in (history.local_losses, history.step_seconds):
-            series[:first_step] = np.nan  # this rank's figures of an earlier process
-        history.resumed_from = {
-            "path": manifest["path"],
-            "step": first_step,
-            "strategy": manifest["strategy"],
-            "world_size": manifest["world_size"],
-            "batch": manifest["train_config"]["batch"],
-        }
-
     # overflow and log(0) are expected when training diverges: the loss check below says so
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for step in range(first_step, tc.steps):
@@ -465,20 +490,31 @@ def run(
             if on_log is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
                 on_log(step, loss)
             if rc.save_every and ((step + 1) % rc.save_every == 0 or step == tc.steps - 1):
+                configs = (history.model_config, history.train_config)
                 save_checkpoint(
                     rc.checkpoint_dir, strategy, step + 1, rng, *configs, history.losses
                 )
 
-    history.traffic = comm.traffic_report()
+
+def finish(
+    model: MLP,
+    strategy: Strategy,
+    data: Dataset,
+    rng: Rng,
+    history: History,
+    tc: TrainConfig,
+    rc: RunConfig,
+) -> None:
+    """After the last step: traffic, validation loss, samples, memory, the replicas' check."""
+    history.traffic = strategy.comm.traffic_report()
     if tc.eval_batches:
         history.val_loss = evaluate(model, strategy, data, rng, tc.batch, tc.eval_batches)
     for _ in range(tc.samples):
         tokens = sample_name(model, strategy, rng)
         history.names.append(decode(tokens).rstrip("."))
-        history.samples.append(format_sample(tokens, model_config.seq_len))
-    history.memory = ledger.report()
+        history.samples.append(format_sample(tokens, model.config.seq_len))
+    history.memory = strategy.ledger.report()
     if rc.trace_memory:
         history.memory["tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     check_replicas(strategy)
-    return history, strategy

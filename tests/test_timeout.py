@@ -46,12 +46,12 @@ def evaluate():  # named as train.py's: the phase a waiting rank was in
     return whereabouts(sys._getframe())
 
 
-def run(step):  # named as train.run, whose local `step` is the training loop's
+def train_loop(step):  # named as train.train_loop, whose local `step` is the loop's
     return whereabouts(sys._getframe()), evaluate()
 
 
 def test_where_the_rank_was_is_read_from_its_stack():
-    in_loop, in_evaluation = run(12)
+    in_loop, in_evaluation = train_loop(12)
     assert in_loop == "of step 12"
     assert in_evaluation == "of the validation loss"  # the innermost phase wins
     assert whereabouts(None) == ""
