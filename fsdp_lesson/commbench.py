@@ -1,6 +1,8 @@
 """commbench: time ping-pong and each collective, and fit the latency-bandwidth model to it.
 
     python -m fsdp_lesson.commbench [--ranks 2 4] [--quick] [--out FILE.json]
+    python -m fsdp_lesson commbench --mpiexec build/hosts/mpiexec --ranks 2 \
+        --min-bytes 4096 --max-bytes 4194304
 
 For each rank count N it runs `mpiexec -n N` once. Every rank times a ping-pong between ranks 0
 and 1 and each collective of Comm, the library's (collectives="mpi") and the hand-made ring
@@ -13,6 +15,11 @@ with the messages and bytes a rank sends per call, as Comm's traffic report has 
 for the ring, the ring model counted for the library). alpha is the cost of one message
 (latency, software overhead), 1/beta the bandwidth; a message of alpha/beta bytes costs as much
 in latency as in transfer, so smaller messages are latency-bound and larger ones bandwidth-bound.
+
+--mpiexec runs the ranks with another launcher, e.g. the simulated hosts' (hosts.py): then 1/beta
+is the link's. A 4 MiB call takes 0.35 s at 100 Mbit/s, so --max-bytes keeps such a run short;
+--min-bytes 4096 leaves out the smallest messages, whose time on a loaded machine is the
+scheduler's (0.01-0.2 ms from run to run across the hosts), which would otherwise sway the fit.
 """
 
 from __future__ import annotations
@@ -216,6 +223,17 @@ def line_seconds(line: dict, messages: float, sent_bytes: float) -> float:
     return line["alpha_s"] * messages + line["beta_s_per_byte"] * sent_bytes
 
 
+# A full TCP segment on a 1500-byte MTU: 1448 B of payload (20 B IP, 32 B TCP with timestamps)
+# in a 1514 B frame with the 14 B Ethernet header, all of which a tbf on a veth counts.
+TCP_PAYLOAD, FRAME = 1448, 1514
+
+
+def tcp_payload_rate(bits_per_second: float) -> float:
+    """Bytes of payload per second that a link shaped to bits_per_second carries in full TCP
+    segments: what a fitted 1/beta (bytes the ranks send) can reach on it, 95.6 % of rate/8."""
+    return bits_per_second / 8 * TCP_PAYLOAD / FRAME
+
+
 def table(fits: dict) -> str:
     """One line per N, impl and kind: alpha, 1/beta, the crossover alpha/beta and R^2."""
     header = ("N", "impl", "kind", "alpha us", "1/beta GB/s", "alpha/beta", "R^2")
@@ -224,7 +242,7 @@ def table(fits: dict) -> str:
         for impl, kinds in impls.items():
             for kind, f in kinds.items():
                 lines.append(
-                    f"{n:>2} {impl:4} {kind:14} {f['alpha_us']:>9.2f} {f['gb_per_s']:>11.2f} "
+                    f"{n:>2} {impl:4} {kind:14} {f['alpha_us']:>9.2f} {f['gb_per_s']:>11.3g} "
                     f"{_human_bytes(f['crossover_bytes']):>10} {f['r2']:>6.3f}"
                 )
     return "\n".join(lines)
@@ -238,21 +256,39 @@ def _human_bytes(nbytes: float) -> str:
     return ""
 
 
-def run(ranks: list[int], quick: bool = False, timeout: float = 900) -> list[dict]:
-    """One `mpiexec -n N python -m fsdp_lesson.commbench --worker` per N; every point."""
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+def sizes_between(min_bytes: int, max_bytes: int, quick: bool = False) -> list[int]:
+    """The buffer sizes timed: those of SIZES (QUICK_SIZES if quick) from min to max_bytes."""
+    return [s for s in (QUICK_SIZES if quick else SIZES) if min_bytes <= s <= max_bytes]
+
+
+def run(
+    ranks: list[int],
+    quick: bool = False,
+    timeout: float = 900,
+    mpiexec: Path | None = None,
+    min_bytes: int = SIZES[0],
+    max_bytes: int = SIZES[-1],
+) -> list[dict]:
+    """One `mpiexec -n N python -m fsdp_lesson.commbench --worker` per N; every point.
+
+    mpiexec: the launcher (default: the one beside this Python), e.g. build/hosts/mpiexec.
+    """
+    launcher = str(mpiexec or Path(sys.executable).parent / "mpiexec")
     points = []
     for n in ranks:
         start, load_before = time.perf_counter(), os.getloadavg()[0]
-        command = [mpiexec, "-n", str(n), sys.executable, "-m", "fsdp_lesson.commbench"]
+        command = [launcher, "-n", str(n), sys.executable, "-m", "fsdp_lesson.commbench"]
         out = subprocess.run(
-            command + ["--worker"] + (["--quick"] if quick else []),
+            command
+            + ["--worker", "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]
+            + (["--quick"] if quick else []),
             capture_output=True,
             text=True,
             timeout=timeout,
+            cwd=Path(__file__).resolve().parent.parent,  # where the ranks import fsdp_lesson
         )
         if out.returncode != 0:
-            raise RuntimeError(f"mpiexec -n {n} failed:\n{out.stderr[-2000:]}")
+            raise RuntimeError(f"{launcher} -n {n} failed:\n{out.stderr[-2000:]}")
         points += json.loads(out.stdout)
         print(
             f"N={n}: timed in {time.perf_counter() - start:.0f} s; load average "
@@ -269,17 +305,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="default: 2 4")
     parser.add_argument("--quick", action="store_true", help="sizes up to 16 KiB, short reps")
+    parser.add_argument("--min-bytes", type=int, default=SIZES[0], help="smallest buffer (4)")
+    parser.add_argument(
+        "--max-bytes", type=int, default=SIZES[-1], help="largest buffer (default: 64 MiB)"
+    )
+    parser.add_argument(
+        "--mpiexec", type=Path, help="launcher, e.g. build/hosts/mpiexec (default: the venv's)"
+    )
     parser.add_argument("--out", type=Path, help="write the points and fits to this JSON file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        points = time_collectives(Comm.world(), QUICK_SIZES if args.quick else SIZES, args.quick)
+        sizes = sizes_between(args.min_bytes, args.max_bytes, args.quick)
+        points = time_collectives(Comm.world(), sizes, args.quick)
         if points is not None:
             print(json.dumps(points))
         return 0
     if min(args.ranks) < 2:
         parser.error("--ranks: every rank count must be 2 or more")
-    points = run(args.ranks, args.quick)
+    if len(sizes_between(args.min_bytes, args.max_bytes, args.quick)) < 2:
+        parser.error("--min-bytes/--max-bytes: the range must hold two sizes of 4**k B or more")
+    points = run(args.ranks, args.quick, 900, args.mpiexec, args.min_bytes, args.max_bytes)
     fits = fit(points)
     print(table(fits))
     if args.out is not None:

@@ -59,7 +59,10 @@ def step_seconds(
 ) -> float:
     """A model, not a measurement: the step's communication time, traffic / bandwidth (B/s).
 
-    2 bytes per element by default: the paper's fp16 gradients and parameters on the wire.
+    2 bytes per element by default: the paper's fp16 gradients and parameters on the wire
+    (4 for this package's fp32 runs). Across hosts, bandwidth is one cable's payload rate each
+    way: a ring in host order puts one rank's sends on each cable, whatever the ranks per host
+    (benchmarks/bench_hosts.py: within 1.5x of zero3's and dp's measured collective seconds).
     """
     return traffic_bytes(stage, psi, n, bytes_per_element) / bandwidth
 
