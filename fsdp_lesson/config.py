@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,16 @@ def flag(name: str, default: Any, help: str, **parsing: Any) -> Any:
     __main__ builds the parser from the fields and nothing is said a second time.
     """
     return field(default=default, metadata={"flag": name, "help": help, **parsing})
+
+
+def _require_choices(config) -> None:
+    """Every field of config that is a flag with choices holds one of them."""
+    for f in fields(config):
+        choices, value = f.metadata.get("choices"), getattr(config, f.name)
+        _require(
+            choices is None or value in choices,
+            f"unknown {f.name} {value!r}: choose one of {', '.join(choices or ())}",
+        )
 
 
 def integer_at_least(minimum: int, wording: str) -> Callable[[str], int]:
@@ -226,14 +236,7 @@ class TrainConfig:
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError before any work (and so before any collective)."""
-        _require(
-            self.strategy in STRATEGIES,
-            f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}",
-        )
-        _require(
-            self.optimizer in OPTIMIZERS,
-            f"unknown optimizer {self.optimizer!r}: choose sgd or adam",
-        )
+        _require_choices(self)
         _require(self.steps >= 0, f"steps must be 0 or more, got {self.steps}")
         _require(
             self.lr is not None and 0 < self.lr < math.inf,
@@ -264,17 +267,9 @@ class TrainConfig:
             "shards: use them with --strategy zero3",
         )
         _require(
-            self.shard_group in SHARD_GROUPS,
-            f"unknown shard_group {self.shard_group!r}: choose consecutive or strided",
-        )
-        _require(
             self.shard_group == "consecutive" or self.replicate > 1,
             "--shard-group strided places HSDP's groups: use it with --strategy zero3"
             " --replicate R (R > 1)",
-        )
-        _require(
-            self.precision in PRECISIONS,
-            f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}",
         )
         _require(self.accum >= 1, f"accum must be a positive integer, got {self.accum}")
         _require(
@@ -284,10 +279,6 @@ class TrainConfig:
         _require(
             isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf,
             f"timeout must be a positive finite number of seconds, got {self.timeout}",
-        )
-        _require(
-            self.accum_reduce in ACCUM_REDUCE,
-            f"unknown accum_reduce {self.accum_reduce!r}: choose every or last",
         )
         self._validate_ranks(world_size)
 
@@ -379,10 +370,7 @@ class RunConfig:
                 object.__setattr__(self, name, Path(getattr(self, name)))
 
     def validate(self) -> None:
-        _require(
-            self.collectives in COLLECTIVES,
-            f"collectives {self.collectives!r}: choose mpi (the library's) or ring (ring.py's)",
-        )
+        _require_choices(self)
         _require(
             self.save_every is None or self.save_every >= 1,
             f"save_every must be a positive integer, got {self.save_every}",
