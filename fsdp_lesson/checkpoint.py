@@ -183,35 +183,48 @@ def save_checkpoint(
         losses_so_far = np.asarray(losses[:step], dtype=np.float64)
         write_durably(partial / "losses.npy", lambda f: np.save(f, losses_so_far))
         files = dict(digests) | {"losses.npy": sha256_of(partial / "losses.npy")}
-        manifest = {
-            "format": FORMAT,
-            "strategy": strategy.name,
-            "world_size": comm.size,
-            "step": step,
-            "model_config": model_config,
-            "train_config": train_config,
-            "optimizer_steps": strategy.optimizer.t,
-            "loss_scaler": scaler_state(strategy),
-            "layers": {
-                layer.name: {k: list(v) for k, v in layer.shapes.items()}
-                for layer in strategy.model.layers
-            },
-            "rng": rng.get_state(),
-            "files": files,
-        }
+        manifest = manifest_of(strategy, step, rng, model_config, train_config, files)
         text = json.dumps(manifest, indent=1).encode()
         _write_bytes(partial / "manifest.json", text)
         _write_bytes(partial / "manifest.sha256", hashlib.sha256(text).hexdigest().encode())
         _fsync_directory(partial)  # its files' names, before it becomes the checkpoint
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(partial, final)
-        _fsync_directory(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        _move_into_place(partial, final)
 
     _agree_on_io(comm, write_manifest, final)
+
+
+def manifest_of(
+    strategy: Strategy, step: int, rng: Rng, model_config: dict, train_config: dict, files: dict
+) -> dict:
+    """What a checkpoint's manifest.json says (MANIFEST_TYPES lists its keys)."""
+    return {
+        "format": FORMAT,
+        "strategy": strategy.name,
+        "world_size": strategy.comm.size,
+        "step": step,
+        "model_config": model_config,
+        "train_config": train_config,
+        "optimizer_steps": strategy.optimizer.t,
+        "loss_scaler": scaler_state(strategy),
+        "layers": {
+            layer.name: {k: list(v) for k, v in layer.shapes.items()}
+            for layer in strategy.model.layers
+        },
+        "rng": rng.get_state(),
+        "files": files,
+    }
+
+
+def _move_into_place(partial: Path, final: Path) -> None:
+    """partial becomes final; an earlier final is kept as final.old until then, so a crash at
+    any moment leaves a whole checkpoint (final, or final.old) behind."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial, final)
+    _fsync_directory(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _agree_on_io(comm: Comm, work, where: Path):
