@@ -1,14 +1,18 @@
 """Connect to a cluster of MPI engines, check it is one MPI world, and run functions on every rank.
 
 A notebook calls ``ranks = connect(n=4)`` once. It uses the ``ipcluster`` that is running for
-the profile, or starts one that is stopped again when Python exits. ``ranks.run(fn)`` runs
-``fn`` on every engine and returns the results ordered by MPI rank (engine ids are not ranks).
+the profile, or starts one that is stopped again when Python exits. ``profile="hosts"`` means the
+simulated hosts' profile while they are up (fsdp_lesson/hosts.py; the directory they were built
+in is $FSDP_LESSON_HOSTS_DIR, default build/hosts), else a profile_hosts of the user's own.
+``ranks.run(fn)`` runs ``fn`` on every engine and returns the results ordered by MPI rank
+(engine ids are not ranks).
 Every wait has a timeout: a rank that raises while the others wait in a collective gives one
 clear error instead of a cell that never returns.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import json
@@ -21,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
@@ -29,8 +34,10 @@ from ipyparallel.datapub import publish_data
 from ipyparallel.error import EngineError
 from IPython import get_ipython
 from IPython.display import display
+from IPython.paths import get_ipython_dir
 from traitlets.config import Config
 
+from . import hosts
 from .launch import rank_settings
 
 # ipyparallel's info lines ("Starting 4 engines ...") and the engines' logs it dumps when
@@ -42,6 +49,8 @@ _log.propagate = False
 _GRACE_SECONDS = 3.0
 # How often run() wakes up to refresh the progress line.
 _POLL_SECONDS = 0.25
+# Where connect(profile="hosts") looks for simulated hosts (hosts.py): a directory of `hosts up`.
+HOSTS_DIR_ENV = "FSDP_LESSON_HOSTS_DIR"
 
 
 class ClusterError(RuntimeError):
@@ -61,15 +70,47 @@ class RankError(RuntimeError):
 
 def _how_to_fix(n: int, profile: str, owned: bool) -> str:
     """The exact commands that give n engines forming one MPI world."""
+    simulated = _simulated_hosts(profile)
     if owned:
-        mpiexec = _mpiexec()
+        mpiexec = str(simulated / "mpiexec") if simulated else _mpiexec()
         return (
             f"connect() started the engines with {mpiexec}; check that it runs one MPI world "
             f"with the MPI that mpi4py uses: {mpiexec} -n {n} {sys.executable} -m mpi4py.bench "
             f"helloworld"
         )
+    if simulated:
+        ipcluster = simulated / "ipcluster"
+        return f"{ipcluster} stop; {ipcluster} start -n {n}"
     flag = "" if profile == "default" else f" --profile={profile}"
     return f"ipcluster stop{flag}; ipcluster start --engines=MPI -n {n}{flag}"
+
+
+def _simulated_hosts(profile: str) -> Path | None:
+    """The directory of the simulated hosts that profile "hosts" means, if they are up."""
+    if profile != "hosts":
+        return None
+    directory = Path(os.environ.get(HOSTS_DIR_ENV) or hosts.DEFAULT_DIR)
+    try:
+        hosts.up_record(directory)
+    except hosts.HostsError:
+        return None
+    return directory if (directory / hosts.PROFILE).is_dir() else None
+
+
+def _profile_location(profile: str, n: int) -> dict[str, str]:
+    """ipyparallel's keyword for where the profile is: the simulated hosts' own profile
+    directory for "hosts" while they are up (a user's profile_hosts is never touched), else
+    the profile by name. Profile "hosts" with neither raises ClusterError saying what to type."""
+    simulated = _simulated_hosts(profile)
+    if simulated:
+        return {"profile_dir": str(simulated / hosts.PROFILE)}
+    if profile == "hosts" and not os.path.isdir(os.path.join(get_ipython_dir(), "profile_hosts")):
+        where = f" --dir {os.environ[HOSTS_DIR_ENV]}" if os.environ.get(HOSTS_DIR_ENV) else ""
+        raise ClusterError(
+            f"No simulated hosts are up for profile 'hosts': type `python -m fsdp_lesson hosts "
+            f"up --hosts 2 --slots {(n + 1) // 2}{where}` (as root), then connect again"
+        )
+    return {"profile": profile}
 
 
 def _mpiexec() -> str:
@@ -154,9 +195,9 @@ def _check_engine_count(cluster: ipp.Cluster, n: int, fix: str) -> None:
         )
 
 
-def _cluster_record(profile: str) -> dict:
+def _cluster_record(where: dict[str, str]) -> dict:
     """The profile's cluster file as last written (from_file rewrites it without dead parts)."""
-    path = ipp.Cluster(profile=profile, cluster_id="", log=_log).cluster_file
+    path = ipp.Cluster(**where, cluster_id="", log=_log).cluster_file
     try:
         with open(path) as f:
             record = json.load(f)
@@ -178,16 +219,17 @@ def _stop_what_a_dead_controller_left(record: dict, cluster: ipp.Cluster) -> Non
         cluster.stop_engines_sync()  # the engine sets whose mpiexec still runs
 
 
-def _running_cluster(profile: str, n: int) -> ipp.Cluster | None:
-    """The cluster `ipcluster start` runs for this profile, or None (stale files count as none).
+def _running_cluster(profile: str, n: int, where: dict[str, str]) -> ipp.Cluster | None:
+    """The cluster `ipcluster start` runs for this profile (where it is: _profile_location), or
+    None (stale files count as none).
 
     Raises ClusterError at once if its controller runs but its engines are gone: when one
     engine of an MPI job dies, mpiexec ends them all, and waiting for them would only wait
     out the timeout.
     """
-    record = _cluster_record(profile)
+    record = _cluster_record(where)
     try:
-        cluster = ipp.Cluster.from_file(profile=profile, cluster_id="", log=_log)
+        cluster = ipp.Cluster.from_file(**where, cluster_id="", log=_log)
     except FileNotFoundError:
         return None
     # from_file checks the recorded controller pid: a dead controller leaves `controller` None;
@@ -204,31 +246,35 @@ def _running_cluster(profile: str, n: int) -> ipp.Cluster | None:
 
 
 def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
-    """Connect to the running ipcluster of `profile` (or start one); check it is one MPI world."""
-    cluster = _running_cluster(profile, n)
+    """Connect to the running ipcluster of `profile` (or start one); check it is one MPI world.
+
+    profile="hosts" with simulated hosts up (fsdp_lesson/hosts.py) places the engines on them.
+    """
+    where = _profile_location(profile, n)
+    cluster = _running_cluster(profile, n, where)
     owned = cluster is None
     if owned:  # start our own; ipyparallel stops it when Python exits (shutdown_atexit)
+        # the engines start with the ranks' launch settings (launch.py), as under make run,
+        # and the MPI that mpi4py uses unless the profile names one (the simulated hosts')
+        launcher = {"environment": rank_settings()}
+        if "profile_dir" not in where:
+            launcher["mpi_cmd"] = [_mpiexec()]
         cluster = ipp.Cluster(
             n=n,
             engines="mpi",
-            profile=profile,
+            **where,
             shutdown_atexit=True,
             log=_log,
-            # the engines start with the ranks' launch settings (launch.py), as under make run
-            config=Config(
-                {
-                    "MPILauncher": {
-                        "mpi_cmd": [_mpiexec()],
-                        "environment": rank_settings(),
-                    }
-                }
-            ),
+            config=Config({"MPILauncher": launcher}),
         )
     fix = _how_to_fix(n, profile, owned)
     try:
         if owned:
             cluster.start_cluster_sync()
             stop_when_gone(os.getpid(), cluster.cluster_file)
+            atexit.register(stop_cluster, cluster)  # before ipyparallel's own (atexit is LIFO)
+        if "profile_dir" in where:  # the simulated hosts' controller talks ipc to clients
+            hosts.link_client_sockets(Path(cluster.controller.connection_files["client"]), timeout)
         client = cluster.connect_client_sync(timeout=timeout)
     except Exception as err:
         if owned:
@@ -388,18 +434,24 @@ class Ranks:
 
     def _lost_rank(self, default: int, wait: float = 5.0) -> tuple[int, str]:
         """Which rank died first. Each engine's nanny logs when its engine exits; the first
-        to log is the engine that died, the others went down with the MPI job after it."""
+        to log is the engine that died, the others went down with the MPI job after it.
+
+        Across hosts, mpiexec may end before another host's nannies are heard (their proxy
+        goes with it): after `wait` seconds, the first exit heard is named, as such."""
         pattern = r"(\d\d:\d\d:\d\d\.\d+) \[KernelNanny\.\d+\] (?:Pipe closed, parent|Parent) (\d+)"
         deadline = time.monotonic() + wait
         while True:
             exits = []
             for log in self.engine_logs:
                 with contextlib.suppress(OSError), open(log) as f:
-                    exits += [(t, int(pid)) for t, pid in re.findall(pattern, f.read())]
-            if len({pid for _, pid in exits} & set(self.pids)) == self.n:  # all have logged
+                    found = re.findall(pattern, f.read())
+                    exits += [(t, int(pid)) for t, pid in found if int(pid) in self.pids]
+            everyone = len({pid for _, pid in exits}) == self.n
+            if exits and (everyone or time.monotonic() > deadline):
                 pid = min(exits)[1]
                 rank = self.pids.index(pid)
-                return rank, f"the engine of rank {rank} (pid {pid}) died first"
+                how = "died first" if everyone else "was the first heard to die"
+                return rank, f"the engine of rank {rank} (pid {pid}) {how}"
             if time.monotonic() > deadline:
                 return default, "an engine died (its log does not say which first)"
             time.sleep(0.1)
@@ -469,6 +521,8 @@ class _ProgressLine:
 def stop_cluster(cluster: ipp.Cluster) -> None:
     """Stop the engines and the controller, each even if the other fails (as when the engines
     never started: ipyparallel's stop_cluster then skips the controller)."""
+    if not os.path.isdir(cluster.profile_dir):  # `hosts down` took the profile and the cluster
+        cluster.cluster_file = ""  # so stopping writes no cluster file: it would remake the dir
     with contextlib.suppress(Exception):
         cluster.stop_engines_sync()
     with contextlib.suppress(Exception):

@@ -39,6 +39,15 @@ share a host from the hostfile), as on a real node; each host's private /dev/shm
 keep one host's segments from another's. `link_bytes()` reads the cables' byte counters, to
 check where the bytes went.
 
+**Notebooks on the hosts.** `hosts up` also writes an ipyparallel profile,
+build/hosts/profile_hosts (never ~/.ipython/profile_hosts, which README's real clusters use),
+that `connect(n=4, profile="hosts")` uses while the hosts are up, and `build/hosts/ipcluster
+start -n 4` starts from a terminal: the controller runs in the switch's namespace and listens for
+engines on 198.18.0.1, and hydra's mpiexec places the engines on the hosts, as on a cluster. The
+notebook's client, in the machine's own namespace where 198.18.0.1 is out of reach, talks to the
+controller through Unix sockets in the profile (ipc): nothing is added to the machine's network.
+`hosts shape --bandwidth 100mbit` re-shapes every cable of running hosts, engines and all.
+
 **What it records.** `hosts up` writes every step to build/hosts/state.json *before* taking it, so
 a crash at any point leaves a record of everything that may exist; `hosts down` undoes exactly
 the recorded steps, tolerates the ones that never happened, and touches nothing else.
@@ -68,6 +77,7 @@ SUBNET = "198.18.0"  # a /24 of the benchmarking range 198.18.0.0/15
 SWITCH_ADDRESS = f"{SUBNET}.1"
 BRIDGE = "fsdpl-br"  # interface names live inside our own namespaces, never the machine's
 TIMEOUT = 30  # seconds for any one ip/tc command, and for processes to end at `down`
+PROFILE = "profile_hosts"  # the ipyparallel profile `up` writes into the hosts' directory
 
 # The ranks' transport across the hosts (see the module's docstring). A value the user set wins,
 # as with fsdp_lesson/launch.py's settings, so `UCX_TLS=tcp,self,sm build/hosts/mpiexec ...`
@@ -177,7 +187,7 @@ class Record:
     """build/hosts/state.json: the layout and every step of `up`, each written before it is
     taken. A step is {"what": ..., "name"/"path": ..., "command": [...]} and `down` knows how
     to undo each kind: a namespace (with everything inside it), a directory of files under
-    /etc/netns, a file of ours."""
+    /etc/netns, a file of ours, the ipyparallel profile (a directory beside the record)."""
 
     def __init__(self, directory: Path, layout: Layout | None = None):
         self.path = directory / "state.json"
@@ -242,6 +252,7 @@ def up(layout: Layout, directory: Path = DEFAULT_DIR) -> Record:
     if reason is not None:
         raise HostsError(reason)
     check_layout(layout)
+    directory = directory.resolve()  # the scripts and the profile name it: from any cwd
     if Record.load(directory) is not None:
         down(directory)
     for name in layout.namespaces():
@@ -274,6 +285,13 @@ def check_layout(layout: Layout) -> None:
 def build(record: Record, layout: Layout, directory: Path) -> None:
     """Every step of `up`, each recorded before it is taken."""
     sw = layout.switch
+    # first, so that `down` removes it last, once nothing of ours runs that could write into it
+    profile = directory / PROFILE
+    if len(str(profile / "security" / "client-65535")) > 107:  # a Unix socket's path limit
+        raise HostsError(f"{directory} is too long a path for Unix sockets: use a shorter --dir")
+    record.step("profile", path=str(profile))
+    profile.mkdir(parents=True, exist_ok=True)
+    (profile / "ipcluster_config.py").write_text(ipcluster_config(layout, profile))
     names_file = f"127.0.0.1 localhost\n{SWITCH_ADDRESS} {sw}\n" + "".join(
         f"{layout.address(i)} {name}\n" for i, name in enumerate(layout.names)
     )
@@ -352,6 +370,7 @@ def build(record: Record, layout: Layout, directory: Path) -> None:
     )
     write_file(record, directory / "launch", launch_script(layout), executable=True)
     write_file(record, directory / "mpiexec", mpiexec_script(directory), executable=True)
+    write_file(record, directory / "ipcluster", ipcluster_script(layout, profile), executable=True)
 
 
 def write_file(record: Record, path: Path, text: str, executable: bool = False) -> None:
@@ -393,6 +412,61 @@ sys.exit(mpiexec_main(sys.argv[1:], {str(directory)!r}))
 """
 
 
+def ipcluster_config(layout: Layout, profile: Path) -> str:
+    """The profile's ipcluster_config.py: the controller in the switch's namespace, engines for
+    hosts on 198.18.0.1 (tcp), clients through Unix sockets in the profile (ipc: the machine's
+    own namespace cannot reach 198.18.0.1); the engines by MPI across the hosts."""
+    python = [sys.executable, "-m", "ipyparallel.controller"]
+    controller = ["ip", "netns", "exec", layout.switch, *python]
+    controller_args = [
+        f"--IPController.engine_ip={SWITCH_ADDRESS}",
+        "--IPController.client_transport=ipc",
+        f"--IPController.client_ip={profile / 'security' / 'client'}",
+    ]
+    return f"""# Written by `python -m fsdp_lesson hosts up` (fsdp_lesson/hosts.py); `hosts down`
+# removes it. The controller in the switch's namespace, the engines on the hosts.
+c = get_config()
+c.Cluster.engine_launcher_class = "mpi"
+c.MPILauncher.mpi_cmd = [{str(profile.parent / "mpiexec")!r}]
+c.LocalControllerLauncher.controller_cmd = {controller!r}
+c.LocalControllerLauncher.controller_args = {controller_args!r}
+"""
+
+
+def ipcluster_script(layout: Layout, profile: Path) -> str:
+    """build/hosts/ipcluster: ipcluster with the hosts' profile (start -n 4, stop), run in the
+    switch's namespace so that `down` ends it with its controller."""
+    ipcluster = str(Path(sys.executable).parent / "ipcluster")
+    ipcluster = shlex.join(["ip", "netns", "exec", layout.switch, ipcluster])
+    return f"""#!/bin/sh
+# Written by `python -m fsdp_lesson hosts up`: `ipcluster start -n 4` (or stop) with the hosts'
+# profile: the controller in the switch's namespace, the engines on the hosts.
+exec {ipcluster} "$@" --profile-dir={shlex.quote(str(profile))}
+"""
+
+
+def link_client_sockets(client_file: Path, timeout: float = TIMEOUT) -> None:
+    """Give the client sockets of a controller of the hosts' profile the names ipyparallel's
+    Client (9.2) connects to: the controller binds ipc://PATH-PORT, the client asks for
+    PATH:PORT. Waits at most timeout seconds for the controller to write client_file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            connection = json.loads(client_file.read_text())
+            break
+        except (OSError, ValueError):  # not yet written, or being written
+            if time.monotonic() > deadline:
+                raise HostsError(
+                    f"the controller wrote no {client_file} in {timeout:g} s"
+                ) from None
+            time.sleep(0.1)
+    path = Path(connection["interface"].removeprefix("ipc://"))
+    for port in {value for value in connection.values() if isinstance(value, int)}:
+        alias = path.with_name(f"{path.name}:{port}")
+        if not alias.is_symlink():
+            alias.symlink_to(f"{path.name}-{port}")
+
+
 # --- running across the hosts -----------------------------------------------------------------
 
 
@@ -413,13 +487,31 @@ def hosts_env(base: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def mpiexec_command(argv: list[str], directory: Path = DEFAULT_DIR) -> list[str]:
-    """The command that runs hydra's mpiexec inside the switch's namespace, hostname and all,
-    with the hosts' hostfile and launch script: argv is mpiexec's (-n N COMMAND...)."""
+def up_record(directory: Path = DEFAULT_DIR) -> Record:
+    """The record of hosts that are up in directory; HostsError saying what to type if none."""
     record = Record.load(directory)
     if record is None or not record.complete:
         raise HostsError(f"no simulated hosts are up ({directory}): python -m fsdp_lesson hosts up")
-    sw = record.layout.switch
+    return record
+
+
+def set_bandwidth(bandwidth: str, directory: Path = DEFAULT_DIR) -> None:
+    """Re-shape both ends of every cable of the hosts that are up (tc qdisc replace): the same
+    job at 10gbit, 1gbit and 100mbit, without rebuilding the hosts or restarting engines."""
+    record = up_record(directory)
+    shape, sw = tbf(bandwidth), record.layout.switch
+    ends = [(host, "eth0") for host in record.layout.names]
+    ends += [(sw, f"fsdpl-p{i}") for i in range(record.layout.hosts)]
+    for ns, dev in ends:
+        run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *shape])
+    record.layout.bandwidth = bandwidth
+    record.save()
+
+
+def mpiexec_command(argv: list[str], directory: Path = DEFAULT_DIR) -> list[str]:
+    """The command that runs hydra's mpiexec inside the switch's namespace, hostname and all,
+    with the hosts' hostfile and launch script: argv is mpiexec's (-n N COMMAND...)."""
+    sw = up_record(directory).layout.switch
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     return [
         "ip", "netns", "exec", sw, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
@@ -476,13 +568,14 @@ def down(directory: Path = DEFAULT_DIR) -> list[str]:
     if record is None:
         return []
     removed = []
+    namespaces = [step["name"] for step in record.steps if step["what"] == "netns"]
+    ours = [ns for ns in namespaces if ns.startswith(PREFIX) and Path("/run/netns", ns).exists()]
+    end_processes_in(ours)
     for step in reversed(record.steps):
         what = step["what"]
-        if what == "netns" and step["name"].startswith(PREFIX):
-            if Path("/run/netns", step["name"]).exists():
-                end_processes_in(step["name"])
-                run(["ip", "netns", "delete", step["name"]])  # its links, addresses, qdiscs too
-                removed.append(f"namespace {step['name']}")
+        if what == "netns" and step["name"] in ours:
+            run(["ip", "netns", "delete", step["name"]])  # its links, addresses, qdiscs too
+            removed.append(f"namespace {step['name']}")
         elif what == "etc" and is_ours(step["path"]):
             etc = Path(step["path"])
             for name in step["files"]:
@@ -491,6 +584,8 @@ def down(directory: Path = DEFAULT_DIR) -> list[str]:
                 etc.rmdir()
         elif what == "file":
             Path(step["path"]).unlink(missing_ok=True)
+        elif what == "profile" and Path(step["path"]).parent.resolve() == directory.resolve():
+            shutil.rmtree(step["path"], ignore_errors=True)
     record.path.unlink()
     return removed
 
@@ -503,11 +598,16 @@ def is_ours(etc: str) -> bool:
     )
 
 
-def end_processes_in(namespace: str) -> None:
-    """Stop what still runs in one of our namespaces (a job's mpiexec, proxies, ranks): SIGTERM,
-    then SIGKILL what is left after TIMEOUT seconds."""
+def end_processes_in(namespaces: list[str]) -> None:
+    """Stop what still runs in our namespaces (a job's mpiexec, proxies, ranks; a controller and
+    its engines), all at once: SIGTERM, then SIGKILL what is left after TIMEOUT seconds. (One
+    namespace at a time, an engine would wait out the TIMEOUT in MPI_Finalize for its peers.)"""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [int(p) for p in run(["ip", "netns", "pids", namespace], check=False).stdout.split()]
+        pids = [
+            int(pid)
+            for ns in namespaces
+            for pid in run(["ip", "netns", "pids", ns], check=False).stdout.split()
+        ]
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -515,10 +615,18 @@ def end_processes_in(namespace: str) -> None:
                 pass
         deadline = time.monotonic() + TIMEOUT
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+            pids = [p for p in pids if running(p)]
             time.sleep(0.05)
         if not pids:
             return
+
+
+def running(pid: int) -> bool:
+    """Whether a process runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -536,10 +644,16 @@ def main(argv: list[str] | None = None) -> int:
         "--bandwidth", default="1gbit", help="each host's link, as tc spells it (default: 1gbit)"
     )
     start.add_argument("--prefix", default=PREFIX, help=argparse.SUPPRESS)  # the tests' own
-    for sub in (start, commands.add_parser("down", help="remove what `up` recorded")):
+    shape = commands.add_parser("shape", help="re-shape every cable of the hosts that are up")
+    shape.add_argument("--bandwidth", required=True, help="as tc spells it: 10gbit, 100mbit")
+    for sub in (start, commands.add_parser("down", help="remove what `up` recorded"), shape):
         sub.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="default: build/hosts")
     args = parser.parse_args(argv)
     try:
+        if args.action == "shape":
+            set_bandwidth(args.bandwidth, args.dir)
+            print(f"hosts shape: every link {args.bandwidth} both ways (tbf)")
+            return 0
         if args.action == "down":
             removed = down(args.dir)
             print(f"hosts down: removed {', '.join(removed)}" if removed else "hosts down: none up")
@@ -565,6 +679,11 @@ def summary(layout: Layout, directory: Path) -> str:
         f"run:  {directory / 'mpiexec'} -n {layout.hosts * layout.slots} python -m fsdp_lesson "
         "train --strategy zero3 --out runs/z3"
     )
+    lines.append(
+        f'notebook: connect(n={layout.hosts * layout.slots}, profile="hosts")   or, in a terminal: '
+        f"{directory / 'ipcluster'} start -n {layout.hosts * layout.slots}"
+    )
+    lines.append("shape: python -m fsdp_lesson hosts shape --bandwidth 100mbit")
     lines.append("stop: python -m fsdp_lesson hosts down   (make hosts-down)")
     return "\n".join(lines)
 
