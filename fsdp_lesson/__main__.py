@@ -114,8 +114,8 @@ def build_parser() -> Parser:
     )
     commands.add_parser(
         "hosts",
-        help="simulated hosts joined by a link of known bandwidth: hosts up | down (root; see "
-        "hosts --help)",
+        help="simulated hosts joined by a link of known bandwidth: hosts up | shape | down (root;"
+        " see hosts --help)",
         add_help=False,
     )
     commands.add_parser(
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         from .commbench import main as commbench_main
 
         return commbench_main(argv[1:])
-    if argv[:1] == ["hosts"]:  # simulated hosts: up and down (fsdp_lesson.hosts)
+    if argv[:1] == ["hosts"]:  # simulated hosts: up, shape and down (fsdp_lesson.hosts)
         from .hosts import main as hosts_main
 
         return hosts_main(argv[1:])

@@ -8,6 +8,7 @@ data           name_statistics(lengths, letter_counts)            the names file
                token_rows(X, Y, "title")                          context rows: padding, letters
                batch_by_rank(Y_batch, n)                          which rank keeps which row
 cluster        cluster_picture(engine_ids)                        notebook, controller, engines
+               hosts_picture(host_of_rank, "1gbit")               simulated hosts and their cables
 collectives    collective_picture(before, after, "Allreduce")     what a collective does to ranks
                ring_steps(n)                                      a ring allreduce, step by step
 communication  traffic_bars({"dp": {"allreduce": bytes}}, ...)   bytes sent per step by collective
@@ -32,7 +33,7 @@ from ._style import (
     RANK_COLORS,
     formula_legend,
 )
-from .cluster import cluster_picture
+from .cluster import cluster_picture, hosts_picture
 from .collectives import RING_LEGEND, RING_OUTLINE, collective_picture, ring_moves, ring_steps
 from .communication import commbench_fits, latency_or_bandwidth, traffic_bars
 from .data import batch_by_rank, name_statistics, token_rows
@@ -78,6 +79,7 @@ __all__ = [
     "formula_legend",
     "gathered_spans",
     "gathered_units",
+    "hosts_picture",
     "latency_or_bandwidth",
     "lever_bars",
     "loss_curves",

@@ -50,3 +50,40 @@ def cluster_picture(engine_ids: list[int]) -> Figure:
     ax.axis("off")
     fig.tight_layout()
     return fig
+
+
+def hosts_picture(
+    host_of_rank: list[str], bandwidth: str, shard_groups: list[list[int]] | None = None
+) -> Figure:
+    """Simulated hosts (fsdp_lesson/hosts.py): each host a box with its ranks, each joined to the
+    switch by its own cable of `bandwidth`; ranks of one host share memory, others the cables.
+
+    host_of_rank[r] is rank r's host (its hostname); shard_groups, if given (HSDP), colours
+    every rank by the shard group it belongs to."""
+    hosts = list(dict.fromkeys(host_of_rank))
+    colour = {}
+    for g, group in enumerate(shard_groups or [list(range(len(host_of_rank)))]):
+        colour |= dict.fromkeys(group, RANK_COLORS[g % len(RANK_COLORS)])
+    width = 3.0
+    fig, ax = plt.subplots(figsize=(max(6.0, 3.6 * len(hosts)), 3.2))
+    switch_x = (len(hosts) * (width + 0.6) - 0.6) / 2
+    _box(ax, switch_x - 1.1, 2.7, 2.2, 0.55, "switch (a bridge)", "#d9d9d9")
+    for h, host in enumerate(hosts):
+        x = h * (width + 0.6)
+        ranks = [r for r, name in enumerate(host_of_rank) if name == host]
+        ax.add_patch(
+            FancyBboxPatch((x, 0.05), width, 1.55, boxstyle="round,pad=0.05", fc="#eef3fb",
+                           ec="black")
+        )  # fmt: skip
+        ax.text(x + width / 2, 1.38, host, ha="center", va="center", fontsize=9)
+        slot = width / max(1, len(ranks))
+        for i, r in enumerate(ranks):
+            _box(ax, x + i * slot + 0.1, 0.3, slot - 0.2, 0.6, f"rank {r}", colour[r])
+        ax.plot([x + width / 2, switch_x], [1.68, 2.68], color="black", lw=2)
+        ax.text((x + width / 2 + switch_x) / 2 + 0.1, 2.15, bandwidth, fontsize=8, va="center")
+    if shard_groups:
+        ax.text(0, -0.3, "colour: shard group", fontsize=8, va="center")
+    ax.set(xlim=(-0.2, len(hosts) * (width + 0.6) - 0.4), ylim=(-0.45, 3.4))
+    ax.axis("off")
+    fig.tight_layout()
+    return fig

@@ -186,6 +186,8 @@ class ZeRO3(Strategy):
         unit = self.units[u]
         if not unit.flat.numel or layer.name != unit.layers[0] or not self.reducing_now:
             return
+        self._span("compute", f"backward {unit.name}", self.computing)  # its compute ends here
+        self.computing = None
         full, shard, micro_shard = self.full_grads[u], self.grad_shards[unit.name], None
         if self.micro > 0 and not self.keep_full:  # "every": this micro-batch's, to add
             label = f"{unit.name} micro-batch grad shard"
