@@ -1,11 +1,17 @@
-"""What the MPI tests share: running `mpiexec -n N python ...` with a timeout, and the check
-that a run trained the same model as single-rank training."""
+"""What the MPI tests share: running `mpiexec -n N python ...` with a timeout, the check that a
+run trained the same model as single-rank training, simulated hosts, and killing a rank."""
 
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fsdp_lesson.launch import rank_env
 
@@ -38,3 +44,31 @@ def assert_same_as_single(what: str, run: dict, history, params: dict, atol: flo
             diff = np.abs(run["params"][layer][k] - v).max()
             assert diff <= atol, f"{what}: {layer}.{k} differs by {diff:.1e}"
     assert run["samples"] == history.samples, f"{what}: samples differ from single's"
+
+
+@contextmanager
+def simulated_hosts(directory: Path, prefix: str, bandwidth: str = "1gbit", slots: int = 2):
+    """2 simulated hosts of `slots` ranks (fsdp_lesson/hosts.py) in directory, named with the
+    test module's own prefix; always taken down at the end."""
+    from fsdp_lesson import hosts
+
+    try:
+        hosts.up(hosts.Layout(hosts=2, slots=slots, bandwidth=bandwidth, prefix=prefix), directory)
+        yield directory
+    finally:
+        hosts.down(directory)
+
+
+def error_when_rank_2_is_killed(ranks):
+    """The RankError of a ranks.run during which rank 2's engine is killed (SIGKILL)."""
+    from fsdp_lesson.cluster import RankError
+
+    pid_of_rank_2 = ranks.run(os.getpid)[2]
+    killer = threading.Timer(1.0, os.kill, (pid_of_rank_2, signal.SIGKILL))
+    killer.start()
+    try:
+        with pytest.raises(RankError) as info:
+            ranks.run(time.sleep, 30, timeout=60)
+    finally:
+        killer.cancel()
+    return info.value

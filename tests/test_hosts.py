@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi_helpers import simulated_hosts
 
 from fsdp_lesson import hosts
 from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
@@ -53,13 +54,9 @@ def in_sight(prefix: str) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """2 hosts x 2 slots at 1 Gbit/s, up once for the module and always down at its end."""
-    directory = tmp_path_factory.mktemp("hosts")
-    try:
-        hosts.up(hosts.Layout(hosts=2, slots=2, bandwidth="1gbit", prefix=PREFIX), directory)
+    with simulated_hosts(tmp_path_factory.mktemp("hosts"), PREFIX) as directory:
         yield directory
-    finally:
-        hosts.down(directory)
-        assert not in_sight(PREFIX), f"hosts down left {in_sight(PREFIX)}"
+    assert not in_sight(PREFIX), f"hosts down left {in_sight(PREFIX)}"
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from mpi_helpers import simulated_hosts
 
 from fsdp_lesson import commbench, hosts, plan
 from fsdp_lesson.config import ModelConfig
@@ -30,21 +29,11 @@ RELIABLE = (("p2p", "pingpong"), ("mpi", "allreduce"), ("mpi", "allgather"),
             ("mpi", "reduce_scatter"))  # fmt: skip
 
 
-@contextmanager
-def cluster(directory: Path, bandwidth: str) -> Iterator[Path]:
-    """2 hosts x 1 slot at bandwidth, down on any exit."""
-    try:
-        hosts.up(hosts.Layout(2, 1, bandwidth, PREFIX), directory)
-        yield directory
-    finally:
-        hosts.down(directory)
-
-
 @pytest.mark.timeout(400)
 def test_commbench_across_hosts_recovers_the_shaped_rate(tmp_path):
     """4 KiB to 4 MiB at 100 Mbit/s: 1/beta within 20 % of the TCP payload rate (95.6 % of
     rate/8: tbf counts every frame's 66 B of headers), R^2 of log t >= 0.95."""
-    with cluster(tmp_path, "100mbit") as directory:
+    with simulated_hosts(tmp_path, PREFIX, "100mbit", slots=1) as directory:
         points = commbench.run([2], mpiexec=directory / "mpiexec", min_bytes=4096,
                                max_bytes=4 * 2**20, timeout=300)  # fmt: skip
     fits = commbench.fit(points)[2]
@@ -63,7 +52,7 @@ def test_plan_predicts_a_zero3_step_across_hosts(tmp_path):
     model, steps = dict(emb=64, hidden=2048, layers=3), 3
     psi = sum(plan.layer_sizes(ModelConfig(**model)))
     assert psi >= 10e6
-    with cluster(tmp_path / "hosts", "200mbit") as directory:
+    with simulated_hosts(tmp_path / "hosts", PREFIX, "200mbit", slots=1) as directory:
         done = subprocess.run(
             [str(directory / "mpiexec"), "-n", "2", sys.executable, "-m", "fsdp_lesson", "train",
              "--strategy", "zero3", "--no-prefetch", "--steps", str(steps), "--eval-batches", "0",

@@ -11,17 +11,16 @@ through $FSDP_LESSON_HOSTS_DIR) and so is IPYTHONDIR: a user's hosts and profile
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import ipyparallel as ipp
 import pytest
+from mpi_helpers import error_when_rank_2_is_killed, simulated_hosts
 
 from fsdp_lesson import hosts
-from fsdp_lesson.cluster import HOSTS_DIR_ENV, ClusterError, RankError, connect
+from fsdp_lesson.cluster import HOSTS_DIR_ENV, ClusterError, connect
 
 REASON = hosts.unavailable()
 needs_hosts = pytest.mark.skipif(REASON is not None, reason=str(REASON))
@@ -101,11 +100,8 @@ def simulated(tmp_path_factory, private_ipython):
     directory = tmp_path_factory.mktemp("engines")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(HOSTS_DIR_ENV, str(directory))
-        try:
-            hosts.up(hosts.Layout(hosts=2, slots=2, bandwidth="1gbit", prefix=PREFIX), directory)
+        with simulated_hosts(directory, PREFIX):
             yield directory
-        finally:
-            hosts.down(directory)
 
 
 @pytest.fixture(scope="module")
@@ -159,15 +155,8 @@ def test_shape_changes_every_cable_under_running_engines(simulated, ranks):
 def test_an_engine_that_dies_on_a_host_is_named_and_the_engines_restart_there(ranks):
     """Rank 2, on the second host: its nanny's line reaches the log (the first host's may not:
     mpiexec ends its proxy), so the rank is named; the new engines are on the hosts again."""
-    pid_of_rank_2 = ranks.run(os.getpid)[2]
-    killer = threading.Timer(1.0, os.kill, (pid_of_rank_2, signal.SIGKILL))
-    killer.start()
-    try:
-        with pytest.raises(RankError) as info:
-            ranks.run(time.sleep, 30, timeout=60)
-    finally:
-        killer.cancel()
-    assert info.value.rank == 2 and "restarted" in str(info.value), str(info.value)
+    error = error_when_rank_2_is_killed(ranks)
+    assert error.rank == 2 and "restarted" in str(error), str(error)
     assert [host for *_, host in ranks.run(placement)] == [
         f"{PREFIX}h0", f"{PREFIX}h0", f"{PREFIX}h1", f"{PREFIX}h1"
     ]  # fmt: skip

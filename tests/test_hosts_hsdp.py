@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi_helpers import simulated_hosts
 
 from fsdp_lesson import hosts
 from fsdp_lesson.comm import bytes_between_hosts
@@ -35,12 +36,8 @@ STEPS = 60
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """2 hosts x 2 slots at 1 Gbit/s, up for the module and always down at its end."""
-    directory = tmp_path_factory.mktemp("hosts")
-    try:
-        hosts.up(hosts.Layout(hosts=2, slots=2, bandwidth="1gbit", prefix=PREFIX), directory)
+    with simulated_hosts(tmp_path_factory.mktemp("hosts"), PREFIX) as directory:
         yield directory
-    finally:
-        hosts.down(directory)
 
 
 @pytest.fixture(scope="module")

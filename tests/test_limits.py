@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from mpi_helpers import error_when_rank_2_is_killed
 
 from fsdp_lesson.checkpoint import CheckpointError, rank_file, read_manifest
 from fsdp_lesson.config import ConfigError, ModelConfig, RunConfig, TrainConfig
@@ -446,17 +446,8 @@ def own_cluster(tmp_path_factory):
 def test_a_dead_engine_is_named_once_header_and_traceback_alike(own_cluster):
     """The header named the rank whose engine died first (rank 2) and the traceback under it
     said "rank 0 (engine 0) died": the lowest rank that went down with the job."""
-    from fsdp_lesson.cluster import RankError
-
-    pid_of_rank_2 = own_cluster.run(os.getpid)[2]
-    killer = threading.Timer(1.0, os.kill, (pid_of_rank_2, signal.SIGKILL))
-    killer.start()
-    try:
-        with pytest.raises(RankError) as info:
-            own_cluster.run(time.sleep, 30, timeout=60)
-    finally:
-        killer.cancel()
-    message = str(info.value)
-    assert info.value.rank == 2, message
+    error = error_when_rank_2_is_killed(own_cluster)
+    message = str(error)
+    assert error.rank == 2, message
     assert set(re.findall(r"\brank (\d+)\b", message)) == {"2"}, message
     assert own_cluster.run(os.getpid) and own_cluster.n == 4  # the engines were restarted
