@@ -38,7 +38,7 @@ from .flat import FlatParam
 from .rng import Rng
 from .sharding import STRATEGIES
 from .strategies import STRATEGY_CLASSES, Strategy
-from .units import make_units
+from .strategies.zero3 import make_units
 
 FORMAT = 4
 # TrainConfig fields a resumed run may change; everything else must match the checkpoint.

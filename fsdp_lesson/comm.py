@@ -94,6 +94,7 @@ class Comm:
         self.size = n = 1 if mpi_comm is None else mpi_comm.Get_size()
         self.collectives = collectives
         self.traffic = {kind: Traffic() for kind in KINDS}
+        self.trace = Trace()  # a step's spans, while recording (shared with split's children)
         # whether this rank's right neighbour on the ring runs on another host: then, in the
         # ring model, every byte this rank sends on this communicator crosses the network
         self.sends_between_hosts = n > 1 and (self.rank + 1) % n not in self.arrivals.here
@@ -149,8 +150,13 @@ class Comm:
             divisor = self._divisors[buf.dtype] = buf.dtype.type(self.size)
         buf /= divisor
 
-    def _account(self, kind: str, full_bytes: int, start: float) -> None:
-        """Add one call that began at perf_counter() == start to the kind's Traffic record."""
+    def _account(
+        self, kind: str, full_bytes: int, start: float, tag: str, issued: float | None = None
+    ) -> None:
+        """Add one call that began at perf_counter() == start to the kind's Traffic record;
+        when tracing, its span "kind tag" from `issued` (a Request's) or start."""
+        if self.trace.spans is not None:
+            self.trace.record("comm", f"{kind} {tag}" if tag else kind, issued or start)
         t = self.traffic[kind]
         t.calls += 1
         t.buffer_bytes += full_bytes
@@ -160,8 +166,9 @@ class Comm:
             t.messages += messages
         t.seconds += perf_counter() - start
 
-    def allreduce_mean(self, buf: np.ndarray) -> np.ndarray:
-        """buf <- the mean of buf over all ranks, in place; the same bits on every rank."""
+    def allreduce_mean(self, buf: np.ndarray, tag: str = "") -> np.ndarray:
+        """buf <- the mean of buf over all ranks, in place; the same bits on every rank.
+        `tag` (every collective's) names the call in a trace, e.g. the unit it moves."""
         if buf.size == 0:  # a layer without parameters moves nothing
             return buf
         start = perf_counter()
@@ -173,7 +180,7 @@ class Comm:
                     "allreduce", self.mpi.Allreduce, self.MPI.IN_PLACE, buf, op=self.MPI.SUM
                 )
             self._divide(buf)
-        self._account("allreduce", buf.nbytes, start)
+        self._account("allreduce", buf.nbytes, start, tag)
         return buf
 
     def mean_scalar(self, value: float) -> float:
@@ -181,7 +188,7 @@ class Comm:
         self._scalar[0] = value
         return float(self.allreduce_mean(self._scalar)[0])
 
-    def allgather(self, shard: np.ndarray | None, full: np.ndarray) -> np.ndarray:
+    def allgather(self, shard: np.ndarray | None, full: np.ndarray, tag: str = "") -> np.ndarray:
         """full <- every rank's shard, concatenated in rank order (full.size == N * shard.size).
 
         shard=None works in place: this rank's slice of `full` already holds its shard.
@@ -198,10 +205,12 @@ class Comm:
             else:
                 send = self.MPI.IN_PLACE if shard is None else on_wire(shard)
                 self._blocking("allgather", self.mpi.Allgather, send, on_wire(full))
-        self._account("allgather", full.nbytes, start)
+        self._account("allgather", full.nbytes, start, tag)
         return full
 
-    def reduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray | None) -> np.ndarray:
+    def reduce_scatter_mean(
+        self, full: np.ndarray, shard: np.ndarray | None, tag: str = ""
+    ) -> np.ndarray:
         """shard <- this rank's slice of the mean over ranks of `full` (Reduce_scatter_block).
 
         shard=None works in place: the result lands in full[:S] (MPI_IN_PLACE), returned.
@@ -224,7 +233,7 @@ class Comm:
                     "reduce_scatter", self.mpi.Reduce_scatter_block, send, recv, op=self.MPI.SUM
                 )
             self._divide(shard)
-        self._account("reduce_scatter", full.nbytes, start)
+        self._account("reduce_scatter", full.nbytes, start, tag)
         return shard
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
@@ -235,7 +244,7 @@ class Comm:
                 self._blocking("bcast", self.ring.bcast, buf, root)
             else:
                 self._blocking("bcast", self.mpi.Bcast, on_wire(buf), root=root)
-        self._account("bcast", buf.nbytes, start)
+        self._account("bcast", buf.nbytes, start, "")
         return buf
 
     def barrier(self) -> None:
@@ -287,29 +296,29 @@ class Comm:
 
     # --- non-blocking collectives and sub-communicators (dp's and zero3's overlap, HSDP) ---
 
-    def iallreduce_mean(self, buf: np.ndarray) -> Request:
+    def iallreduce_mean(self, buf: np.ndarray, tag: str = "") -> Request:
         """Start buf <- the mean of buf over ranks, in place (MPI_Iallreduce); wait() ends it."""
         if self.ring is not None or self.size == 1 or buf.size == 0 or buf.dtype.itemsize == 2:
-            return Request.done(self, lambda: self.allreduce_mean(buf))
+            return Request.done(self, lambda: self.allreduce_mean(buf, tag))
         entered = self._arrive()
         started = self.mpi.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return Request(self, "allreduce", buf.nbytes, started, buf, entered)
+        return Request(self, "allreduce", buf.nbytes, started, buf, entered, tag)
 
-    def iallgather(self, shard: np.ndarray, full: np.ndarray) -> Request:
+    def iallgather(self, shard: np.ndarray, full: np.ndarray, tag: str = "") -> Request:
         """Start full <- every rank's shard (MPI_Iallgather); the Request's wait() completes it."""
         if self.ring is not None or self.size == 1 or full.size == 0:
-            return Request.done(self, lambda: self.allgather(shard, full))
+            return Request.done(self, lambda: self.allgather(shard, full, tag))
         entered = self._arrive()
         started = self.mpi.Iallgather(on_wire(shard), on_wire(full))
-        return Request(self, "allgather", full.nbytes, started, None, entered)
+        return Request(self, "allgather", full.nbytes, started, None, entered, tag)
 
-    def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> Request:
+    def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray, tag: str = "") -> Request:
         """Start shard <- this rank's slice of the mean of `full` (MPI_Ireduce_scatter_block)."""
         if self.ring is not None or self.size == 1 or full.size == 0 or full.dtype.itemsize == 2:
-            return Request.done(self, lambda: self.reduce_scatter_mean(full, shard))
+            return Request.done(self, lambda: self.reduce_scatter_mean(full, shard, tag))
         entered = self._arrive()
         started = self.mpi.Ireduce_scatter_block(full, shard, op=self.MPI.SUM)
-        return Request(self, "reduce_scatter", full.nbytes, started, shard, entered)
+        return Request(self, "reduce_scatter", full.nbytes, started, shard, entered, tag)
 
     def split(self, color: int, key: int, name: str) -> Comm:
         """The ranks with the same color, ordered by key (MPI_Comm_split), as a counted Comm.
@@ -318,7 +327,7 @@ class Comm:
         """
         mpi = None if self.mpi is None else self._blocking("split", self.mpi.Split, color, key)
         child = Comm(mpi, self.collectives, self.timeout)
-        child.name = name
+        child.name, child.trace = name, self.trace
         for kind, traffic in child.traffic.items():
             self.traffic[f"{kind} ({name})"] = traffic  # the same object: one count, two views
             self.between_hosts[f"{kind} ({name})"] = child.sends_between_hosts
@@ -332,6 +341,20 @@ def bytes_between_hosts(traffic_report: dict[str, dict]) -> float:
     return sum(t["sent_bytes"] for t in traffic_report.values() if t.get("between_hosts"))
 
 
+class Trace:
+    """One step's spans (lane, what, start, end) in perf_counter seconds, while `spans` is a
+    list: every collective of a Comm and its split children ("comm", "allgather fc1"), from
+    its issue to its completion, and what else records itself (zero3's units: "compute")."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, float, float]] | None = None
+
+    def record(self, lane: str, what: str, start: float | None) -> None:
+        """A span from `start` to now, when recording (and `start` is known)."""
+        if self.spans is not None and start is not None:
+            self.spans.append((lane, what, start, perf_counter()))
+
+
 class Request:
     """A collective in flight: wait() completes it (dividing for a mean) and counts it.
 
@@ -341,9 +364,16 @@ class Request:
     """
 
     def __init__(
-        self, comm: Comm, kind: str, nbytes: int, mpi_request, mean_into, entered: int = 0
+        self,
+        comm: Comm,
+        kind: str,
+        nbytes: int,
+        mpi_request,
+        mean_into,
+        entered: int = 0,
+        tag: str = "",
     ) -> None:
-        self.comm, self.kind, self.nbytes = comm, kind, nbytes
+        self.comm, self.kind, self.nbytes, self.tag = comm, kind, nbytes, tag
         self.mpi_request, self.mean_into = mpi_request, mean_into
         self.entered = entered  # its number among the communicator's collectives (Arrivals)
         self.issued, self.completed = perf_counter(), None
@@ -372,7 +402,7 @@ class Request:
             WATCHDOG.waiting = None
         if self.mean_into is not None:
             self.comm._divide(self.mean_into)
-        self.comm._account(self.kind, self.nbytes, start)
+        self.comm._account(self.kind, self.nbytes, start, self.tag, self.issued)
         self.completed = perf_counter()
 
 

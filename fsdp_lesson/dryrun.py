@@ -37,25 +37,27 @@ class DryComm(Comm):
         super().__init__()
         self.size, self.groups = size, groups or {}
 
-    def allreduce_mean(self, buf: np.ndarray) -> np.ndarray:
+    def allreduce_mean(self, buf: np.ndarray, tag: str = "") -> np.ndarray:
         return buf
 
-    def allgather(self, shard: np.ndarray | None, full: np.ndarray) -> np.ndarray:
+    def allgather(self, shard: np.ndarray | None, full: np.ndarray, tag: str = "") -> np.ndarray:
         return full
 
-    def reduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray | None) -> np.ndarray:
+    def reduce_scatter_mean(
+        self, full: np.ndarray, shard: np.ndarray | None, tag: str = ""
+    ) -> np.ndarray:
         return full[: full.size // self.size] if shard is None else shard
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         return buf
 
-    def iallreduce_mean(self, buf: np.ndarray) -> Request:
+    def iallreduce_mean(self, buf: np.ndarray, tag: str = "") -> Request:
         return Request.done(self, lambda: None)
 
-    def iallgather(self, shard: np.ndarray, full: np.ndarray) -> Request:
+    def iallgather(self, shard: np.ndarray, full: np.ndarray, tag: str = "") -> Request:
         return Request.done(self, lambda: None)
 
-    def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray) -> Request:
+    def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray, tag: str = "") -> Request:
         return Request.done(self, lambda: None)
 
     def split(self, color: int, key: int, name: str) -> DryComm:

@@ -10,6 +10,9 @@ layer's forward and backward, and its gradient is computed in float32 and stored
 Both transients are counted by the ledger as buffers. bfloat16 comes from `ml_dtypes` (the
 NumPy dtype extension JAX uses); float16 is numpy's own.
 
+`Precision` holds all of it for a strategy: the dtype, the upcast copies, the float32
+gradient scratch, the loss scale and the update on the master. The strategies only call it.
+
 float16 keeps 5 exponent bits: small gradients underflow to 0 and large ones overflow to inf.
 Loss scaling multiplies the gradient by S before it is stored in 16 bits and divides it out in
 float32 before the update; `LossScaler` adapts S as PyTorch's GradScaler does. bfloat16 has
@@ -18,7 +21,15 @@ float32's exponent range and needs no scaling.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+from .flat import FlatParam
+from .memory import MemoryLedger
+
+if TYPE_CHECKING:  # model.py imports config.py, which imports PRECISIONS from here
+    from .model import Params
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -34,11 +45,6 @@ def dtype_of(precision: str) -> np.dtype:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype({"fp32": np.float32, "fp16": np.float16}[precision])
-
-
-def is_16bit(dtype: np.dtype) -> bool:
-    """bfloat16 or float16: MPI has no sum for them, so the ring reduces them in numpy."""
-    return np.dtype(dtype).itemsize == 2
 
 
 class LossScaler:
@@ -65,3 +71,85 @@ class LossScaler:
 def all_finite(arrays) -> bool:
     """Whether no array holds an inf or a NaN (checked without a full-size temporary)."""
     return all(bool(np.isfinite(a.sum(dtype=np.float32))) for a in arrays if a.size)
+
+
+class Precision:
+    """A strategy's precision policy and its mechanics: what a layer computes with, where its
+    gradient is written and how it is stored, and how the update reaches the fp32 master."""
+
+    def __init__(self, precision: str, ledger: MemoryLedger) -> None:
+        self.name, self.ledger = precision, ledger
+        self.dtype, self.mixed = dtype_of(precision), precision != "fp32"
+        self.scaler = LossScaler() if precision == "fp16" else None
+        self.upcasts: dict[str, Params] = {}  # float32 copies of 16-bit params, until release
+        # float32 gradients backward wrote, to store into (target, whether to add) at land
+        self.scratch_grads: dict[str, tuple[Params, Params, bool]] = {}
+
+    def compute_params(self, layer, views: Params) -> Params:
+        """The parameters a layer computes with: the views themselves in fp32; in 16 bits,
+        float32 copies, counted as a buffer until release (numpy has no fast 16-bit matmul)."""
+        if not self.mixed or not views:
+            return views
+        if layer.name not in self.upcasts:  # once until release (--recompute asks twice)
+            flat = FlatParam(layer.shapes)
+            full = self.ledger.alloc("buffers", flat.numel, f"{layer.name} upcast")
+            self.upcasts[layer.name] = flat.views(full)
+            for key, view in views.items():
+                self.upcasts[layer.name][key][...] = view
+        return self.upcasts[layer.name]
+
+    def release(self, layer) -> None:
+        """The layer's float32 copy is free again."""
+        if self.upcasts.pop(layer.name, None) is not None:
+            self.ledger.free(f"{layer.name} upcast")
+
+    def grad_target(self, layer, target: Params, accumulate: bool) -> Params:
+        """Where backward writes the layer's gradient: `target` itself in fp32 unless it
+        accumulates; else a float32 scratch (counted) that `store_grad` stores into `target`,
+        scaled by the loss scale and rounded to 16 bits, added when accumulating."""
+        if not target or not (self.mixed or accumulate):
+            return target
+        flat = FlatParam(layer.shapes)
+        scratch = flat.views(self.ledger.alloc("buffers", flat.numel, f"{layer.name} grad fp32"))
+        self.scratch_grads[layer.name] = (scratch, target, accumulate)
+        return scratch
+
+    def store_grad(self, layer) -> None:
+        """Store the scratch gradient of grad_target into its target and free the scratch."""
+        if layer.name not in self.scratch_grads:
+            return
+        scratch, target, accumulate = self.scratch_grads.pop(layer.name)
+        for key, g in scratch.items():
+            if self.scaler is not None:
+                g *= np.float32(self.scaler.scale)  # a power of two: exact in float32
+            if accumulate:
+                target[key] += g
+            else:
+                target[key][...] = g
+        self.ledger.free(f"{layer.name} grad fp32")
+
+    def overflowed(self, comm, grads) -> bool:
+        """fp16: whether any rank's gradients hold an inf or NaN; then the step is skipped and
+        the loss scale halved (LossScaler). Always False without loss scaling."""
+        if self.scaler is None:
+            return False
+        return not self.scaler.update(comm.all_agree(all_finite(grads)))
+
+    def update(self, optimizer, params: np.ndarray, grad: np.ndarray, state: dict, clip: float):
+        """optimizer.update on what this rank owns, the gradient scaled by `clip` (<= 1).
+        Mixed precision: the gradient upcast to float32 and unscaled, the update on the fp32
+        master, the 16-bit copy refreshed from it."""
+        if not self.mixed:
+            if clip < 1.0:
+                grad *= np.float32(clip)  # this step's gradient: free to scale
+            optimizer.update(params, grad, state)
+            return
+        g = self.ledger.alloc("buffers", grad.size, "step grad fp32")
+        g[...] = grad
+        if self.scaler is not None:
+            g *= np.float32(1 / self.scaler.scale)
+        if clip < 1.0:
+            g *= np.float32(clip)
+        optimizer.update(state["master"], g, state)
+        params[...] = state["master"]  # rounded to the nearest 16-bit value
+        self.ledger.free("step grad fp32")

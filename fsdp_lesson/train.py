@@ -465,8 +465,8 @@ def train_loop(
             X, Y = sampler.next_slice(comm.rank, comm.size)  # rank_slice of the global batch
             if step == rc.timeline_step:
                 ledger.timeline = [("start", ledger.live_total)]
-            if step == rc.trace_step:
-                strategy.trace = []  # zero3 records its compute and collective spans
+            if step == rc.trace_step:  # the collectives' spans, and zero3's units' compute
+                comm.trace.spans = []
             local_loss = train_step(model, strategy, X, Y, tc.accum, tc.recompute)
             if strategy.scaler is not None and strategy.scaler.last_skipped:
                 history.skipped_steps.append(step)
@@ -474,9 +474,9 @@ def train_loop(
                 history.timeline, ledger.timeline = ledger.timeline, None
             if step == rc.trace_step:
                 history.trace = [
-                    (lane, what, a - start, b - start) for lane, what, a, b in strategy.trace
+                    (lane, what, a - start, b - start) for lane, what, a, b in comm.trace.spans
                 ]
-                strategy.trace = None
+                comm.trace.spans = None
             loss = comm.mean_scalar(local_loss)
             if not math.isfinite(loss):  # the same global loss on every rank: all stop here
                 last = history.losses[first_step:step]

@@ -14,8 +14,8 @@ from fsdp_lesson.data import Dataset
 from fsdp_lesson.model import MLP
 from fsdp_lesson.plan import ledger_bytes
 from fsdp_lesson.rng import make_rng
+from fsdp_lesson.strategies.zero3 import make_units
 from fsdp_lesson.train import run
-from fsdp_lesson.units import make_units
 
 HERE = Path(__file__).parent
 OPTIONS = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")

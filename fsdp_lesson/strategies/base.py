@@ -26,7 +26,7 @@ from ..comm import Comm
 from ..flat import FlatParam
 from ..memory import MemoryLedger
 from ..model import MLP, Params
-from ..precision import LossScaler, all_finite, dtype_of
+from ..precision import Precision
 from ..rng import Rng
 from ..sharding import ZERO_STAGE, is_sharded
 
@@ -69,12 +69,11 @@ class Strategy:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
         self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
-        self.dtype, self.mixed = dtype_of(precision), precision != "fp32"
-        self.scaler = LossScaler() if precision == "fp16" else None
+        self.precision = Precision(precision, ledger)
+        self.dtype, self.mixed = self.precision.dtype, self.precision.mixed
+        self.scaler = self.precision.scaler  # fp16's loss scale; None otherwise
         # gradient accumulation: micro-batch `micro` of `accum`; "last" reduces only at the last
         self.accum, self.accum_reduce, self.micro = accum, accum_reduce, 0
-        self.scratch_grads: dict[str, tuple[Params, Params, bool]] = {}  # float32 grads to store
-        self.upcasts: dict[str, Params] = {}  # float32 copies of 16-bit params, until release
         # gradient clipping: the factor clip_grads found for this step's gradients (update)
         self.clip_grad_norm, self.clip_factor = clip_grad_norm, 1.0
 
@@ -211,7 +210,7 @@ class Strategy:
 
     def release(self, layer) -> None:
         """FSDP2: reshard. Done with the layer's full parameters for now."""
-        self.drop_upcast(layer)
+        self.precision.release(layer)
 
     def grad_buffer(self, layer) -> Params:
         """Where the layer's backward writes its full gradient, as shaped views."""
@@ -253,56 +252,6 @@ class Strategy:
         """Whether this micro-batch's backward reduces gradients ("last": only the last one)."""
         return self.accum_reduce == "every" or self.micro == self.accum - 1
 
-    def upcast(self, layer, views: Params) -> Params:
-        """The parameters a layer computes with: the views themselves in fp32; in 16 bits,
-        float32 copies, counted as a buffer until release (numpy has no fast 16-bit matmul)."""
-        if not self.mixed or not views:
-            return views
-        if layer.name not in self.upcasts:  # once until release (--recompute asks twice)
-            flat = FlatParam(layer.shapes)
-            full = self.ledger.alloc("buffers", flat.numel, f"{layer.name} upcast")
-            self.upcasts[layer.name] = flat.views(full)
-            for key, view in views.items():
-                self.upcasts[layer.name][key][...] = view
-        return self.upcasts[layer.name]
-
-    def drop_upcast(self, layer) -> None:
-        """The layer's float32 copy is free again (release)."""
-        if self.upcasts.pop(layer.name, None) is not None:
-            self.ledger.free(f"{layer.name} upcast")
-
-    def backward_buffer(self, layer, target: Params, accumulate: bool) -> Params:
-        """Where backward writes the layer's gradient: `target` itself in fp32 unless it
-        accumulates; else a float32 scratch (counted) that `land_grad` stores into `target`,
-        scaled by the loss scale and rounded to 16 bits, added when accumulating."""
-        if not target or not (self.mixed or accumulate):
-            return target
-        flat = FlatParam(layer.shapes)
-        scratch = flat.views(self.ledger.alloc("buffers", flat.numel, f"{layer.name} grad fp32"))
-        self.scratch_grads[layer.name] = (scratch, target, accumulate)
-        return scratch
-
-    def land_grad(self, layer) -> None:
-        """Store the scratch gradient of backward_buffer into its target and free the scratch."""
-        if layer.name not in self.scratch_grads:
-            return
-        scratch, target, accumulate = self.scratch_grads.pop(layer.name)
-        for key, g in scratch.items():
-            if self.scaler is not None:
-                g *= np.float32(self.scaler.scale)  # a power of two: exact in float32
-            if accumulate:
-                target[key] += g
-            else:
-                target[key][...] = g
-        self.ledger.free(f"{layer.name} grad fp32")
-
-    def skip_step(self, grads) -> bool:
-        """fp16: whether any rank's gradients overflowed; then the step is skipped and the
-        loss scale halved (LossScaler). Always False without loss scaling."""
-        if self.scaler is None:
-            return False
-        return not self.scaler.update(self.comm.all_agree(all_finite(grads)))
-
     def clip_grads(self, grads, over: Comm | None) -> None:
         """--clip-grad-norm X: this step's gradients are scaled by min(1, X / (norm + 1e-6)),
         the norm taken over the whole model (torch.nn.utils.clip_grad_norm_). `grads` are this
@@ -318,19 +267,5 @@ class Strategy:
         self.clip_factor = min(1.0, self.clip_grad_norm / (norm + 1e-6))
 
     def update(self, params: np.ndarray, grad: np.ndarray, state: dict) -> None:
-        """optimizer.update on what this rank owns. Mixed precision: the gradient upcast to
-        float32 (and unscaled), the update on the fp32 master, the 16-bit copy refreshed."""
-        if not self.mixed:
-            if self.clip_factor < 1.0:
-                grad *= np.float32(self.clip_factor)  # this step's gradient: free to scale
-            self.optimizer.update(params, grad, state)
-            return
-        g = self.ledger.alloc("buffers", grad.size, "step grad fp32")
-        g[...] = grad
-        if self.scaler is not None:
-            g *= np.float32(1 / self.scaler.scale)
-        if self.clip_factor < 1.0:
-            g *= np.float32(self.clip_factor)
-        self.optimizer.update(state["master"], g, state)
-        params[...] = state["master"]  # rounded to the nearest 16-bit value
-        self.ledger.free("step grad fp32")
+        """optimizer.update on what this rank owns, through the precision (fp32 master)."""
+        self.precision.update(self.optimizer, params, grad, state, self.clip_factor)

@@ -28,17 +28,17 @@ class Single(Strategy):
         return self.params
 
     def materialize(self, layer) -> Params:
-        return self.upcast(layer, self.param_views[layer.name])
+        return self.precision.compute_params(layer, self.param_views[layer.name])
 
     def grad_buffer(self, layer) -> Params:
         """The layer's whole gradient; after the first micro-batch, added to (accumulation)."""
-        return self.backward_buffer(layer, self.grad_views[layer.name], self.micro > 0)
+        return self.precision.grad_target(layer, self.grad_views[layer.name], self.micro > 0)
 
     def reduce_grads(self, layer) -> None:
-        self.land_grad(layer)
+        self.precision.store_grad(layer)
 
     def step(self) -> None:
-        if self.skip_step(self.grads.values()):
+        if self.precision.overflowed(self.comm, self.grads.values()):
             return
         self.clip_grads(self.grads.values(), over=None)  # whole gradients, alike on every rank
         self.optimizer.start_step()

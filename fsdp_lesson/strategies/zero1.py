@@ -25,7 +25,7 @@ class ZeRO1(Single):
 
     def step(self) -> None:
         grads = {name: self.owned_grad(name) for name in self.layout}
-        if self.skip_step(grads.values()):  # fp16: an overflow anywhere skips the step
+        if self.precision.overflowed(self.comm, grads.values()):  # fp16: an inf skips it
             return
         self.clip_grads(grads.values(), over=self.comm)  # the owned shards of the mean
         self.optimizer.start_step()

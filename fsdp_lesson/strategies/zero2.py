@@ -46,18 +46,20 @@ class ZeRO2(ZeRO1):
         """The reused transient buffer, or ("last") the layer's full gradient, kept until the
         last micro-batch has added to it."""
         if not self.keep_full:
-            return self.backward_buffer(layer, self.transient_views(layer.name), accumulate=False)
+            return self.precision.grad_target(
+                layer, self.transient_views(layer.name), accumulate=False
+            )
         flat = self.layout[layer.name]
         if layer.name not in self.accumulated:
             label = f"{layer.name} accumulated grad"
             full = self.ledger.alloc("buffers", flat.padded_numel, label, self.dtype)
             self.accumulated[layer.name] = full
         full = self.accumulated[layer.name]
-        return self.backward_buffer(layer, flat.views(full), accumulate=self.micro > 0)
+        return self.precision.grad_target(layer, flat.views(full), accumulate=self.micro > 0)
 
     def reduce_grads(self, layer) -> None:
         """Right after the layer's backward: its mean gradient shard; the buffer is free again."""
-        self.land_grad(layer)
+        self.precision.store_grad(layer)
         if self.keep_full:
             if self.micro == self.accum - 1:
                 full = self.accumulated.pop(layer.name)
