@@ -1,6 +1,6 @@
 """names.txt -> tokens -> (context, next-token) rows, the 0.9 split, global batches, rank slices.
 
-Exactly the seed program's data pipeline (docs/seed_semantics.md), vectorised with numpy.
+Exactly the C program's data pipeline (docs/seed_semantics.md), vectorised with numpy.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def build_rows(names: list[str], seq_len: int = 16) -> tuple[np.ndarray, np.ndar
 
 @dataclass
 class Dataset:
-    """Train and test rows, split as the seed does: the first int(n_rows * 0.9f) rows train."""
+    """Train and test rows, split as the C program does: the first int(n_rows * 0.9f) rows train."""
 
     X_train: np.ndarray
     Y_train: np.ndarray
@@ -178,7 +178,7 @@ class GlobalBatchSampler:
         self.X, self.Y, self.batch_size, self.rng = X, Y, batch_size, rng
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
-        """(batch, seq_len) contexts and (batch,) targets, in the seed's order."""
+        """(batch, seq_len) contexts and (batch,) targets, in the C program's order."""
         idx = self.rng.indices(len(self.X), self.batch_size)
         return self.X[idx], self.Y[idx]
 
@@ -196,7 +196,7 @@ def batch_bytes(rows: int, world_size: int, seq_len: int = 16, c_compat: bool = 
 
 
 def rank_slice(batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
-    """The rows b of a global batch with b % world_size == rank, in order (the seed's rule)."""
+    """The rows b of a global batch with b % world_size == rank, in order (the C program's rule)."""
     return batch[rank::world_size]
 
 

@@ -9,7 +9,7 @@ lines that allocate: the real strategy and the real loop (train_step), with
     DryOptimizer   the optimizer's state allocated as usual, its update skipped
 
 so the ledger counts every hold and free in their real order, and no schedule (zero3's
-prefetch, zero2's transient, the levers' scratch buffers) is written a second time.
+prefetch, zero2's transient, the memory options' scratch buffers) is written a second time.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def dry_run(
     recompute: bool = False,
     **options,
 ) -> MemoryLedger:
-    """Rank 0's ledger after `strategy` (with its options and levers) initialised the model
+    """Rank 0's ledger after `strategy` (with its own and the memory options) initialised the model
     and took one step of `accum` micro-batches of `micro_batch` rows, on N ranks."""
     replicate = options.get("replicate", 1)
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate})

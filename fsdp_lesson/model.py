@@ -25,7 +25,7 @@ class Embedding:
     def __init__(self, name: str, vocab_size: int, emb_size: int) -> None:
         self.name, self.emb_size = name, emb_size
         self.shapes = {"W": (vocab_size, emb_size)}
-        self.init_scale = 1.0 / emb_size  # the seed's he_init(k) with k = 1/emb_size
+        self.init_scale = 1.0 / emb_size  # the C program's he_init(k) with k = 1/emb_size
 
     def forward(self, p: Params, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out = p["W"][tokens]  # (B, S) -> (B, S, E)
@@ -41,12 +41,12 @@ class Embedding:
 
 
 class Linear:
-    """y = x @ W + b with W stored (in, out), row-major, as in the seed."""
+    """y = x @ W + b with W stored (in, out), row-major, as in the C program."""
 
     def __init__(self, name: str, in_features: int, out_features: int) -> None:
         self.name = name
         self.shapes = {"W": (in_features, out_features), "b": (out_features,)}
-        self.init_scale = 1.0 / in_features  # the seed's k = 1/in_features (not its square root)
+        self.init_scale = 1.0 / in_features  # the C program: k = 1/in (not its square root)
 
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out = x @ p["W"]  # (B, in) @ (in, out) -> (B, out)
@@ -73,7 +73,7 @@ class ReLU:
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise softmax with the max subtracted; exp in float64 on float32 inputs, as the seed."""
+    """Row-wise softmax, max subtracted; exp in float64 on float32 input, as the C program does."""
     exp = (logits - logits.max(axis=1, keepdims=True)).astype(np.float64)
     np.exp(exp, out=exp)
     exp /= exp.sum(axis=1, keepdims=True)
@@ -127,9 +127,9 @@ class MLP:
         return sum(int(np.prod(s)) for layer in self.layers for s in layer.shapes.values())
 
     def init_layers(self, rng: Rng, dtype=np.float32) -> Iterator[tuple[object, Params]]:
-        """Each layer's initial parameters in turn, drawn in the seed's order: one layer at a time.
+        """Each layer's initial parameters in turn, in the C program's order: one layer at a time.
 
-        Uniform in [-k, k] as the seed's he_init(k) = 2k*u - k. A caller that keeps only a
+        Uniform in [-k, k] as the C program's he_init(k) = 2k*u - k. A caller that keeps only a
         shard of each layer still draws every layer, so the random stream is the same at any N.
         """
         for layer in self.layers:

@@ -47,7 +47,7 @@ class Optimizer:
 
 
 class SGD(Optimizer):
-    """p -= lr * g: the seed's optimizer; it keeps no state."""
+    """p -= lr * g: the C program's optimizer; it keeps no state."""
 
     name = "sgd"
     state_per_param = 0  # floats of optimizer state per parameter
@@ -109,6 +109,18 @@ class Adam(Optimizer):
         p -= g
         flush_subnormals(m, scratch=g)
         flush_subnormals(v, scratch=g)
+
+
+def clip_coefficient(grads, max_norm: float, over=None, loss_scale: float = 1.0) -> float:
+    """min(1, max_norm / (norm + 1e-6)), the norm taken over the whole model's gradient
+    (torch.nn.utils.clip_grad_norm_). `grads` are this rank's: its shards, whose squares the
+    Comm `over` (the ranks that share out the model) sums in one allreduce; or, over=None,
+    whole gradients, alike on every rank. Each rank clipping its own shard by its own norm
+    would train another model. `loss_scale`: fp16's gradients are still scaled by it."""
+    squares = sum(float(np.einsum("i,i->", g, g, dtype=np.float64)) for g in grads)
+    if over is not None and over.size > 1:
+        squares = over.mean_scalar(squares) * over.size  # the sum over the shards
+    return min(1.0, max_norm / (np.sqrt(squares) / loss_scale + 1e-6))
 
 
 def make_optimizer(name: str, lr: float) -> SGD | Adam:

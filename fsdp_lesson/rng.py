@@ -76,7 +76,7 @@ class NumpyRng(Rng):
 
 
 class CRng(Rng):
-    """The seed program's draws: uniform() = (float)rand() / RAND_MAX, index = rand() % n."""
+    """The C program's draws: uniform() = (float)rand() / RAND_MAX, index = rand() % n."""
 
     def __init__(self, seed: int) -> None:
         self.rand = GlibcRand(seed)

@@ -33,6 +33,7 @@ from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .model import MLP, softmax
 from .optim import make_optimizer
 from .rng import Rng, make_rng
+from .sharding import is_sharded
 from .strategies import STRATEGY_CLASSES, Strategy, make_strategy, strategy_options
 
 
@@ -124,7 +125,7 @@ def evaluate(
 
 
 def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) -> list[int]:
-    """Generate one name as the seed does: the tokens drawn, ending with 0 (unless cut off).
+    """Generate one name as the C program does: the tokens drawn, ending with 0 (unless cut off).
 
     Every rank runs the forward (zero3 needs all ranks to gather) and draws u, keeping the
     random streams aligned; rank 0's choice is broadcast so ranks can never disagree.
@@ -148,7 +149,7 @@ def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) 
 
 
 def format_sample(tokens: list[int], seq_len: int) -> str:
-    """The seed's line: the final context (left-padded with '.'), '-->', the last token."""
+    """The C program's line: the final context (left-padded with '.'), '-->', the last token."""
     context = ([0] * seq_len + tokens[:-1])[-seq_len:]
     return " ".join(decode(context)) + "  --> " + decode(tokens[-1:])
 
@@ -168,7 +169,7 @@ class History:
     local_losses: np.ndarray  # this rank's micro-batch loss per step
     step_seconds: np.ndarray
     val_loss: float | None = None
-    samples: list[str] = field(default_factory=list)  # the seed's lines: context --> last token
+    samples: list[str] = field(default_factory=list)  # the C program's: context --> token
     names: list[str] = field(default_factory=list)  # the sampled names themselves
     memory: dict = field(default_factory=dict)  # this rank's ledger report
     traffic: dict = field(default_factory=dict)  # this rank's bytes by collective kind
@@ -210,12 +211,15 @@ class ReplicaMismatch(RuntimeError):
 def check_replicas(strategy: Strategy) -> None:
     """Raise on every rank if any replicated array is not bit-identical on all ranks.
 
-    The seed's FSDP program let bias gradients stay local, so the ranks' biases drifted
+    The C program this course grew from let bias gradients stay local, so the ranks' biases drifted
     apart; this check catches that class of bug after every run.
     """
-    differ = [
-        name for name, a in strategy.replicated().items() if not strategy.comm.same_everywhere(a)
-    ]
+    if strategy.comm.size == 1:
+        return
+    arrays = {key: s.array for key, s in strategy.local_state().items() if not s.sharded}
+    if strategy.mixed and not is_sharded(strategy.stage, "params"):  # and the 16-bit copy
+        arrays |= {f"{name}.params16": a for name, a in strategy.param_arrays().items()}
+    differ = [name for name, a in arrays.items() if not strategy.comm.same_everywhere(a)]
     if differ:
         raise ReplicaMismatch(f"replicated state differs between ranks: {', '.join(differ)}")
 
@@ -234,7 +238,7 @@ def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n:
     the step history, and a step's batch (step_batch_bytes)."""
     from . import plan
 
-    options = levers(tc) | strategy_options(strategy, tc)
+    options = memory_options(tc) | strategy_options(strategy, tc)
     micro_batch = tc.batch // n
     ledger = plan.ledger_bytes(
         strategy, model_config, n, tc.optimizer, micro_batch, recompute=tc.recompute, **options
@@ -254,8 +258,8 @@ def step_batch_bytes(model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
     return batch_bytes(rows, n, model_config.seq_len, tc.c_compat) + MICRO_BATCH_BYTES * tc.accum
 
 
-def levers(tc: TrainConfig) -> dict:
-    """The memory levers every strategy takes: precision and gradient accumulation."""
+def memory_options(tc: TrainConfig) -> dict:
+    """The memory options (levers) every strategy takes: precision and gradient accumulation."""
     return dict(precision=tc.precision, accum=tc.accum, accum_reduce=tc.accum_reduce)
 
 
@@ -372,7 +376,7 @@ def run(
     history = History.for_steps(model_config, tc, comm.size)
     if rc.trace_memory:
         tracemalloc.start()
-    options = levers(tc) | strategy_options(tc.strategy, tc)
+    options = memory_options(tc) | strategy_options(tc.strategy, tc)
     options["clip_grad_norm"] = tc.clip_grad_norm  # allocates nothing: not the planner's
     strategy = together(
         comm,

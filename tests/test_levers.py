@@ -20,7 +20,7 @@ from fsdp_lesson.optim import make_optimizer
 from fsdp_lesson.plan import ledger_bytes
 from fsdp_lesson.rng import make_rng
 from fsdp_lesson.strategies import make_strategy, strategy_options
-from fsdp_lesson.train import levers, train_step
+from fsdp_lesson.train import memory_options, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from levers_worker import master_params  # noqa: E402
@@ -64,7 +64,7 @@ def test_ledger_is_the_papers_mixed_precision_accounting_and_the_planner_predict
     sharded["zero3"] = ("optimizer", "grads", "params")
     for name, r in results.items():
         tc, mc = r["train_config"], r["model_config"]
-        opts = levers(tc) | strategy_options(tc.strategy, tc)
+        opts = memory_options(tc) | strategy_options(tc.strategy, tc)
         micro_batch, recompute = tc.batch // n, tc.recompute
         predicted = ledger_bytes(
             tc.strategy, mc, n, tc.optimizer, micro_batch, recompute=recompute, **opts
@@ -250,7 +250,7 @@ def test_recompute_is_bit_identical_saves_the_predicted_activations_and_no_traff
             tc.optimizer,
             tc.batch // n,
             recompute=True,
-            **levers(tc) | strategy_options(tc.strategy, tc),
+            **memory_options(tc) | strategy_options(tc.strategy, tc),
         )["activations"]
         for rank in range(n):
             saved = off["per_rank"][rank]["memory"]["peak"]["activations"]

@@ -15,7 +15,7 @@ assert tuple(STRATEGY_CLASSES) == STRATEGIES, "every strategy has a row in the s
 
 
 def make_strategy(name: str, model, optimizer, comm, ledger, **options) -> Strategy:
-    """The strategy `name`; options are the levers and its own (zero3's layers_per_unit, ...)."""
+    """The strategy `name`; options: the memory options and its own (zero3: layers_per_unit...)."""
     return STRATEGY_CLASSES[name](model, optimizer, comm, ledger, **options)
 
 

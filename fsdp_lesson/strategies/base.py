@@ -26,6 +26,7 @@ from ..comm import Comm
 from ..flat import FlatParam
 from ..memory import MemoryLedger
 from ..model import MLP, Params
+from ..optim import clip_coefficient
 from ..precision import Precision
 from ..rng import Rng
 from ..sharding import ZERO_STAGE, is_sharded
@@ -45,15 +46,13 @@ class Strategy:
 
     name = "base"
     stage = 0  # the strategy's row of the sharding table, set from its name
-    # TrainConfig fields the constructor takes beside the levers (zero3: FSDP's options), and
-    # those of them a resumed run may change (they move bytes, not numbers)
+    # its own TrainConfig fields (zero3: FSDP's), and those a resume may change (bytes, not numbers)
     options: tuple[str, ...] = ()
     options_a_resume_may_change: frozenset[str] = frozenset()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        # a variant under a name of its own (a notebook's) keeps its parent's row
-        cls.stage = ZERO_STAGE.get(cls.name, cls.stage)
+        cls.stage = ZERO_STAGE.get(cls.name, cls.stage)  # a notebook's variant: its parent's
 
     def __init__(
         self,
@@ -67,24 +66,22 @@ class Strategy:
         clip_grad_norm: float | None = None,
     ) -> None:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
+        self.shard_rank = comm.rank  # which shard this rank keeps (zero3's HSDP: in its group)
         self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
         self.precision = Precision(precision, ledger)
         self.dtype, self.mixed = self.precision.dtype, self.precision.mixed
-        self.scaler = self.precision.scaler  # fp16's loss scale; None otherwise
+        self.scaler = self.precision.scaler  # fp16's loss scale, else None
         # gradient accumulation: micro-batch `micro` of `accum`; "last" reduces only at the last
         self.accum, self.accum_reduce, self.micro = accum, accum_reduce, 0
-        # gradient clipping: the factor clip_grads found for this step's gradients (update)
-        self.clip_grad_norm, self.clip_factor = clip_grad_norm, 1.0
+        self.clip_grad_norm, self.clip_factor = clip_grad_norm, 1.0  # the factor: clip_grads'
 
     # --- allocation, as the sharding table says -------------------------------------------
 
     def numel(self, flat: FlatParam, category: str) -> int:
-        """How many elements of a layer's `category` this rank keeps (the sharding table).
-
-        A shard is 1/N of the padded vector; a whole vector is padded only where a collective
-        cuts it into N chunks (from zero1 on), so dp and single hold exactly numel.
-        """
+        """How many elements of a layer's `category` this rank keeps (the sharding table): a
+        shard is 1/N of the padded vector; a whole vector is padded only where a collective
+        cuts it into N chunks (from zero1 on), so dp and single hold exactly numel."""
         if is_sharded(self.stage, category):
             return flat.shard_size
         return flat.padded_numel if self.stage > 0 else flat.numel
@@ -101,12 +98,11 @@ class Strategy:
 
     def init_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
         """The optimizer's arrays per layer (Adam's m and v; the fp32 master in mixed
-        precision), sized by the table."""
+        precision: optimizer state, as the ZeRO paper counts it), sized by the table."""
         state = {}
         for name, flat in self.layout.items():
-            numel = self.numel(flat, "optimizer")
-            state[name] = {}
-            if self.mixed:  # the fp32 master weights: optimizer state, as the paper counts them
+            numel, state[name] = self.numel(flat, "optimizer"), {}
+            if self.mixed:
                 state[name]["master"] = self.ledger.alloc("optimizer", numel, f"{name}.master")
             state[name] |= self.optimizer.init_state(numel, self.ledger, name)
         return state
@@ -118,20 +114,15 @@ class Strategy:
         raise NotImplementedError
 
     def local_state(self) -> dict[str, StateArray]:
-        """Everything that defines the model and the optimizer on this rank, by "layer.what".
-
-        Gradients are not state: the next backward rewrites them. The optimizer's step count
-        is one number, kept by the optimizer (optimizer.t). Mixed precision: the parameters
-        saved are the fp32 master (the 16-bit copy is derived from it).
-        """
+        """Everything that defines the model and the optimizer on this rank, by "layer.what":
+        not gradients (backward rewrites them), nor the step count (optimizer.t). Mixed
+        precision: the parameters are the fp32 master (the 16-bit copy derives from it)."""
         state, optimizer_sharded = {}, is_sharded(self.stage, "optimizer")
         for name, params in self.param_arrays().items():
             state[f"{name}.params"] = StateArray(params, name, is_sharded(self.stage, "params"))
-            for key, array in self.opt_state[name].items():
-                if key == "master":
-                    state[f"{name}.params"] = StateArray(array, name, optimizer_sharded)
-                else:
-                    state[f"{name}.{key}"] = StateArray(array, name, optimizer_sharded)
+            for key, array in self.opt_state[name].items():  # mixed: "master" is the params
+                what = "params" if key == "master" else key
+                state[f"{name}.{what}"] = StateArray(array, name, optimizer_sharded)
         return state
 
     def load_state(self, vectors: dict[str, np.ndarray], optimizer_steps: int = 0) -> None:
@@ -148,12 +139,9 @@ class Strategy:
 
     def init_params(self, rng: Rng) -> None:
         """Initialise the parameters one layer at a time, keeping only what this rank holds.
-
-        Every rank draws every layer (so the random stream is the seed's at any N), but only
-        one layer's values exist at a time, counted as a buffer: no rank ever builds the whole
-        model (as FSDP1's `param_init_fn` and DeepSpeed's `zero.Init` do; FSDP2 builds the
-        model on the meta device, shards it, and initialises the shards after `to_empty`).
-        """
+        Every rank draws every layer (the same random stream at any N), one layer's values at
+        a time, counted as a buffer: no rank builds the whole model (FSDP1's `param_init_fn`,
+        DeepSpeed's `zero.Init`; FSDP2 initialises its shards after `to_empty`)."""
         for layer, arrays in self.model.init_layers(rng):
             label = f"init {layer.name}"
             self.ledger.hold("buffers", label, sum(a.nbytes for a in arrays.values()))
@@ -166,42 +154,37 @@ class Strategy:
         for layer in self.model.layers:
             self.keep_initial(layer.name, params[layer.name])
 
+    def held_as(self, layer: str, arrays: Params) -> tuple[str, Params]:
+        """The layout entry that holds a layer's parameters, and the arrays keyed as its
+        FlatParam is (zero3: the layer's unit, keys "layer.param")."""
+        return layer, arrays
+
     def keep_initial(self, layer: str, arrays: Params) -> None:
         """Copy one layer's initial values into this rank's parameters: all, or its shard."""
-        entries = [self.local_state()[f"{layer}.params"]]
+        name, arrays = self.held_as(layer, arrays)
+        entries = [self.local_state()[f"{name}.params"]]
         if self.mixed:  # the master and its 16-bit copy
-            entries.append(self.sixteen_bit(layer))
-        flat = self.layout[layer]
+            entries.append(self.sixteen_bit(name))
         for entry in entries:
             if entry.sharded:
-                flat.copy_shard(arrays, self.comm.rank, out=entry.array)
+                self.layout[name].copy_shard(arrays, self.shard_rank, out=entry.array)
             else:
-                flat.flatten(arrays, out=entry.array)
+                self.layout[name].flatten(arrays, out=entry.array)
 
     def set_from_vector(self, entry: StateArray, vector: np.ndarray) -> None:
         """Copy a layer's whole vector into `entry`: all of it, or only this rank's shard."""
         flat = self.layout[entry.layer]
         if entry.sharded:
-            entry.array[...] = flat.owned_shard(flat.padded(vector), self.comm.rank)
+            entry.array[...] = flat.owned_shard(flat.padded(vector), self.shard_rank)
         else:
             entry.array[: flat.numel] = vector[: flat.numel]  # the padding stays zero
-
-    def replicated(self) -> dict[str, np.ndarray]:
-        """Arrays that must be bit-identical on every rank after a step: all that is not sharded."""
-        if self.comm.size == 1:
-            return {}
-        arrays = {key: s.array for key, s in self.local_state().items() if not s.sharded}
-        if self.mixed and not is_sharded(self.stage, "params"):
-            arrays |= {f"{name}.params16": a for name, a in self.param_arrays().items()}
-        return arrays
 
     # --- the hooks ---------------------------------------------------------------------------
 
     phase = "forward"  # which pass the hooks below serve; the loop says (begin_phase)
 
     def begin_phase(self, phase: str) -> None:
-        """The loop starts a pass: "forward" or "backward" (FSDP2 keeps it as its training
-        state), so no strategy has to infer it from the order of the hooks' calls."""
+        """The loop starts a pass, "forward" or "backward" (FSDP2's training state)."""
         self.phase = phase
 
     def materialize(self, layer) -> Params:
@@ -224,12 +207,9 @@ class Strategy:
         raise NotImplementedError
 
     def full_params(self, root: int | None = None) -> dict[str, Params]:
-        """Every layer's parameters as shaped copies, identical on all ranks (a collective).
-
-        One layer is gathered at a time. With `root`, only that rank keeps the copies (the
-        others return {}): a model that fits only sharded is written out without a whole
-        copy on every rank.
-        """
+        """Every layer's parameters as shaped copies, identical on all ranks (a collective),
+        gathered one layer at a time. With `root`, only that rank keeps them (the others get
+        {}): a model that fits only sharded is written out without a copy on every rank."""
         out = {}
         self.begin_phase("forward")
         for layer in self.model.layers:
@@ -242,9 +222,8 @@ class Strategy:
     # --- precision and accumulation, shared by every strategy's hooks ------------------------
 
     def begin_micro_batch(self, micro: int) -> None:
-        """The loop starts micro-batch `micro` of `accum` (DeepSpeed: the accumulation
-        boundary is the last one; DDP and FSDP1: `no_sync()` around all but the last, FSDP2:
-        `set_requires_gradient_sync(False)`)."""
+        """The loop starts micro-batch `micro` of `accum` (DDP and FSDP1: `no_sync()` around
+        all but the last; FSDP2: `set_requires_gradient_sync(False)`)."""
         self.micro = micro
 
     @property
@@ -253,18 +232,11 @@ class Strategy:
         return self.accum_reduce == "every" or self.micro == self.accum - 1
 
     def clip_grads(self, grads, over: Comm | None) -> None:
-        """--clip-grad-norm X: this step's gradients are scaled by min(1, X / (norm + 1e-6)),
-        the norm taken over the whole model (torch.nn.utils.clip_grad_norm_). `grads` are this
-        rank's: its shards, whose squares `over` (the ranks that share out the model) sums in
-        one allreduce; or, with over=None, whole gradients, the same on every rank. Each rank
-        clipping its own shard by its own norm would train another model."""
-        if self.clip_grad_norm is None:
-            return
-        squares = sum(float(np.einsum("i,i->", g, g, dtype=np.float64)) for g in grads)
-        if over is not None and over.size > 1:
-            squares = over.mean_scalar(squares) * over.size  # the sum over the shards
-        norm = np.sqrt(squares) / (self.scaler.scale if self.scaler is not None else 1.0)
-        self.clip_factor = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+        """--clip-grad-norm X: the factor this step's gradients are scaled by in update, from
+        the whole model's norm (optim.clip_coefficient; `over`: the ranks holding shards)."""
+        if self.clip_grad_norm is not None:
+            scale = 1.0 if self.scaler is None else self.scaler.scale
+            self.clip_factor = clip_coefficient(grads, self.clip_grad_norm, over, scale)
 
     def update(self, params: np.ndarray, grad: np.ndarray, state: dict) -> None:
         """optimizer.update on what this rank owns, through the precision (fp32 master)."""

@@ -23,8 +23,8 @@ class DataParallel(Single):
 
     name = "dp"
 
-    def __init__(self, model, optimizer, comm, ledger, **levers) -> None:
-        super().__init__(model, optimizer, comm, ledger, **levers)
+    def __init__(self, model, optimizer, comm, ledger, **memory_options) -> None:
+        super().__init__(model, optimizer, comm, ledger, **memory_options)
         self.reducing: list[Request] = []  # the allreduces in flight, one per layer
 
     def reduce_grads(self, layer) -> None:

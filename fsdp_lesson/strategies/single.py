@@ -12,8 +12,8 @@ class Single(Strategy):
 
     name = "single"
 
-    def __init__(self, model, optimizer, comm, ledger, **levers) -> None:
-        super().__init__(model, optimizer, comm, ledger, **levers)
+    def __init__(self, model, optimizer, comm, ledger, **memory_options) -> None:
+        super().__init__(model, optimizer, comm, ledger, **memory_options)
         self.params = self.alloc_per_layer("params", "params")
         self.opt_state = self.init_optimizer_state()
         self.param_views = {name: f.views(self.params[name]) for name, f in self.layout.items()}

@@ -24,7 +24,7 @@ class ZeRO2(ZeRO1):
 
     def alloc_grads(self) -> None:
         self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
-        self.keep_full = self.accum_reduce == "last" and self.accum > 1
+        self.accumulate_full_grads = self.accum_reduce == "last" and self.accum > 1
         self.accumulated: dict[str, object] = {}  # "last": layer -> its full gradient
         self.full_grad = None  # the transient, allocated at the first backward (transient_views)
 
@@ -45,7 +45,7 @@ class ZeRO2(ZeRO1):
     def grad_buffer(self, layer):
         """The reused transient buffer, or ("last") the layer's full gradient, kept until the
         last micro-batch has added to it."""
-        if not self.keep_full:
+        if not self.accumulate_full_grads:
             return self.precision.grad_target(
                 layer, self.transient_views(layer.name), accumulate=False
             )
@@ -60,7 +60,7 @@ class ZeRO2(ZeRO1):
     def reduce_grads(self, layer) -> None:
         """Right after the layer's backward: its mean gradient shard; the buffer is free again."""
         self.precision.store_grad(layer)
-        if self.keep_full:
+        if self.accumulate_full_grads:
             if self.micro == self.accum - 1:
                 full = self.accumulated.pop(layer.name)
                 self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
@@ -73,8 +73,9 @@ class ZeRO2(ZeRO1):
         if self.micro == 0:
             self.comm.reduce_scatter_mean(full, shard)
             return
-        part = self.ledger.alloc("buffers", shard.size, "micro-batch grad shard", self.dtype)
-        shard += self.comm.reduce_scatter_mean(full, part)  # "every": add this micro-batch's
+        label = "micro-batch grad shard"
+        micro_shard = self.ledger.alloc("buffers", shard.size, label, self.dtype)
+        shard += self.comm.reduce_scatter_mean(full, micro_shard)  # "every": add this one's
         self.ledger.free("micro-batch grad shard")
 
     def owned_grad(self, name: str):

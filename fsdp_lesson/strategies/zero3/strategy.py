@@ -29,8 +29,6 @@ full gradient across the micro-batches and reduce-scatters once (FSDP1's `no_syn
 
 from __future__ import annotations
 
-import numpy as np
-
 from ...model import Params
 from ..base import Strategy
 from .schedule import Schedule
@@ -68,6 +66,7 @@ class ZeRO3(Strategy):
                 shard_color, replica_color = comm.rank % replicate, comm.rank // replicate
             self.shard_comm = comm.split(shard_color, comm.rank, "shard")
             self.replica_comm = comm.split(replica_color, comm.rank, "replicate")
+        self.shard_rank = self.shard_comm.rank
         self.units = make_units(model.layers, layers_per_unit, self.shard_comm.size)
         self.unit_of = {layer: unit for unit in self.units for layer in unit.layers}
         self.schedule = Schedule(self.units)
@@ -85,17 +84,8 @@ class ZeRO3(Strategy):
     def param_arrays(self):
         return self.param_shards
 
-    def keep_initial(self, layer: str, arrays: Params) -> None:
-        unit = self.unit_of[layer]
-        named = {f"{layer}.{k}": v for k, v in arrays.items()}
-        unit.flat.copy_shard(named, self.shard_comm.rank, out=self.param_shards[unit.name])
-        if self.mixed:  # and the fp32 master, of which param_shards is the 16-bit copy
-            master = self.opt_state[unit.name]["master"]
-            unit.flat.copy_shard(named, self.shard_comm.rank, out=master)
-
-    def set_from_vector(self, entry, vector: np.ndarray) -> None:
-        flat = self.layout[entry.layer]
-        entry.array[...] = flat.owned_shard(flat.padded(vector), self.shard_comm.rank)
+    def held_as(self, layer: str, arrays: Params) -> tuple[str, Params]:
+        return self.unit_of[layer].name, {f"{layer}.{k}": v for k, v in arrays.items()}
 
     def finish_reduce_scatters(self, keep: int = 0) -> None:
         """Wait for the gradient reduce-scatters in flight, all but the newest `keep`."""

@@ -139,7 +139,7 @@ class Unit:
         if added is not None:
             self.grad_shard += added
             self.ledger.free(f"{self.name} micro-batch grad shard")
-        self.full_grad = None
+        self.full_grad, self.grad_params = None, {}  # no view keeps the buffer alive
         self.ledger.free(f"{self.name} full grad")
         if replicas is not None:
             replicas.allreduce_mean(self.grad_shard, self.name)
