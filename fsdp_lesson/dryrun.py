@@ -10,6 +10,8 @@ lines that allocate: the real strategy and the real loop (train_step), with
 
 so the ledger counts every hold and free in their real order, and no schedule (zero3's
 prefetch, zero2's transient, the memory options' scratch buffers) is written a second time.
+The same dry step, with an EventLog, lists what a strategy computes and which collectives it
+runs, in order (step_events: the picture of notebooks 03 to 05).
 """
 
 from __future__ import annotations
@@ -29,50 +31,88 @@ from .train import train_step
 MICRO_BATCHES_THAT_DIFFER = 3
 
 
+COMPUTE = "compute"  # an EventLog's kind for a layer's forward or backward, or an update
+
+
+class EventLog(list):
+    """(phase, kind, label) of one dry step, in order: phase is the strategy's own ("forward",
+    "backward"), "update" from its step() on; kind COMPUTE or a collective that moves bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strategy, self.updating = None, False
+
+    def add(self, kind: str, label: str) -> None:
+        self.append(("update" if self.updating else self.strategy.phase, kind, label))
+
+    def collective(self, kind: str, buf: np.ndarray, tag: str) -> None:
+        if buf.size:  # Comm moves nothing for a layer without parameters
+            self.add(kind, f"{'params' if kind == 'allgather' else 'grad'} {tag}")
+
+    def update(self, params: np.ndarray, state: dict) -> None:
+        """The optimizer updates a layer (or unit): all of it, or this rank's shard."""
+        if params.size:
+            strategy = self.strategy
+            name = next(name for name, s in strategy.opt_state.items() if s is state)
+            self.add(COMPUTE, f"{'shard' if strategy.stage else 'all of'} {name}")
+
+
 class DryComm(Comm):
     """N ranks as rank 0 sees them, moving no data. `groups` sizes the communicators that
-    split() makes, by name (zero3's HSDP: "shard" and "replicate")."""
+    split() makes, by name (zero3's HSDP: "shard" and "replicate"); `log` lists the calls."""
 
-    def __init__(self, size: int, groups: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, size: int, groups: dict[str, int] | None = None, log: EventLog | None = None
+    ) -> None:
         super().__init__()
-        self.size, self.groups = size, groups or {}
+        self.size, self.groups, self.log = size, groups or {}, log
+
+    def _called(self, kind: str, buf: np.ndarray, tag: str) -> Request:
+        if self.log is not None:
+            self.log.collective(kind, buf, tag)
+        return Request.done(self, lambda: None)
 
     def allreduce_mean(self, buf: np.ndarray, tag: str = "") -> np.ndarray:
+        self._called("allreduce", buf, tag)
         return buf
 
     def allgather(self, shard: np.ndarray | None, full: np.ndarray, tag: str = "") -> np.ndarray:
+        self._called("allgather", full, tag)
         return full
 
     def reduce_scatter_mean(
         self, full: np.ndarray, shard: np.ndarray | None, tag: str = ""
     ) -> np.ndarray:
+        self._called("reduce_scatter", full, tag)
         return full[: full.size // self.size] if shard is None else shard
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         return buf
 
     def iallreduce_mean(self, buf: np.ndarray, tag: str = "") -> Request:
-        return Request.done(self, lambda: None)
+        return self._called("allreduce", buf, tag)
 
     def iallgather(self, shard: np.ndarray, full: np.ndarray, tag: str = "") -> Request:
-        return Request.done(self, lambda: None)
+        return self._called("allgather", full, tag)
 
     def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray, tag: str = "") -> Request:
-        return Request.done(self, lambda: None)
+        return self._called("reduce_scatter", full, tag)
 
     def split(self, color: int, key: int, name: str) -> DryComm:
-        return DryComm(self.groups[name])
+        return DryComm(self.groups[name], log=self.log)
 
 
 class DryLayer:
     """A layer's name and shapes, with a forward and backward that hand on placeholders of
     the shapes the real ones return, and keep the same cache (the layer's input)."""
 
-    def __init__(self, layer) -> None:
-        self.name, self.shapes = layer.name, layer.shapes
+    def __init__(self, layer, log: EventLog | None) -> None:
+        self.name, self.shapes, self.log = layer.name, layer.shapes, log
         self.embeds = isinstance(layer, Embedding)
 
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.log is not None and self.shapes:
+            self.log.add(COMPUTE, self.name)
         if self.embeds:  # (B, S) -> (B, S*E)
             width = x.shape[1] * self.shapes["W"][1]
         else:  # a Linear's (B, in) -> (B, out); a ReLU keeps its width
@@ -80,6 +120,8 @@ class DryLayer:
         return placeholder((len(x), width)), x
 
     def backward(self, p: Params, x: np.ndarray, dout: np.ndarray, g: Params) -> np.ndarray | None:
+        if self.log is not None and self.shapes:
+            self.log.add(COMPUTE, self.name)
         return None if self.embeds else placeholder(x.shape)  # tokens have no gradient
 
 
@@ -96,8 +138,8 @@ class DryLoss:
 class DryModel:
     """What the loop and the strategies read of an MLP, with layers that compute nothing."""
 
-    def __init__(self, model: MLP) -> None:
-        dry = {layer.name: DryLayer(layer) for layer in model.layers}
+    def __init__(self, model: MLP, log: EventLog | None = None) -> None:
+        dry = {layer.name: DryLayer(layer, log) for layer in model.layers}
         self.config, self.block_inputs = model.config, model.block_inputs
         self.layers = [dry[layer.name] for layer in model.layers]
         self.blocks = [[dry[layer.name] for layer in block] for block in model.blocks]
@@ -112,13 +154,14 @@ class DryModel:
 class DryOptimizer:
     """The optimizer's state allocated through the ledger as usual; its update skipped."""
 
-    def __init__(self, name: str) -> None:
-        self.optimizer = make_optimizer(name, lr=0.1)
+    def __init__(self, name: str, log: EventLog | None = None) -> None:
+        self.optimizer, self.log = make_optimizer(name, lr=0.1), log
         self.init_state = self.optimizer.init_state
         self.start_step = self.optimizer.start_step
 
     def update(self, p: np.ndarray, g: np.ndarray, state: dict) -> None:
-        pass
+        if self.log is not None:
+            self.log.update(p, state)
 
 
 def dry_run(
@@ -130,19 +173,33 @@ def dry_run(
     *,
     accum: int = 1,
     recompute: bool = False,
+    log: EventLog | None = None,
     **options,
 ) -> MemoryLedger:
-    """Rank 0's ledger after `strategy` (with its own and the memory options) initialised the model
-    and took one step of `accum` micro-batches of `micro_batch` rows, on N ranks."""
+    """Rank 0's ledger after `strategy` (with its own and the memory options) initialised the
+    model and took one step of `accum` micro-batches of `micro_batch` rows, on N ranks; the
+    step's events in `log`, if given."""
     replicate = options.get("replicate", 1)
-    comm = DryComm(n, {"shard": n // replicate, "replicate": replicate})
-    ledger, model = MemoryLedger(dry=True), DryModel(MLP(model_config))
+    comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
+    ledger, model = MemoryLedger(dry=True), DryModel(MLP(model_config), log)
     accum = min(accum, MICRO_BATCHES_THAT_DIFFER)
     built = make_strategy(
-        strategy, model, DryOptimizer(optimizer), comm, ledger, accum=accum, **options
+        strategy, model, DryOptimizer(optimizer, log), comm, ledger, accum=accum, **options
     )
     built.init_params(rng=None)
     X = placeholder((micro_batch * accum, model_config.seq_len), np.uint8)
     Y = placeholder((micro_batch * accum,), np.uint8)
+    if log is not None:  # the step's events from here on; its step() is the update
+        log.strategy, step = built, built.step
+        built.step = lambda: (setattr(log, "updating", True), step())
     train_step(model, built, X, Y, accum, recompute)
     return ledger
+
+
+def step_events(strategy: str, model_config: ModelConfig | None = None, n: int = 2, **options):
+    """(phase, kind, label) of one training step of `strategy` on N ranks, in order: each
+    layer's compute and update, and each collective that moves bytes, as the strategy's own
+    code runs them (dry); then the loop's one allreduce of the loss (train_loop's log)."""
+    log = EventLog()
+    dry_run(strategy, model_config or ModelConfig(), n, "sgd", 1, log=log, **options)
+    return [*log, ("log", "allreduce", "loss (8 B)")]

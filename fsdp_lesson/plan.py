@@ -154,28 +154,6 @@ def activation_peak(model_config: ModelConfig, micro_batch: int, recompute: bool
     ]
 
 
-def gathered_peak(units: list[int], prefetch: bool, reshard_after_forward: bool) -> int:
-    """zero3's peak of gathered parameters and full gradients, from its units' full bytes.
-
-    Replays the order of zero3's allocations: forward holds unit u (and u+1 when
-    prefetching; without resharding, every unit so far); backward holds u's parameters and
-    gradient, u-1's prefetched parameters, and u+1's gradient while it is reduce-scattered.
-    """
-    peak, count = 0, len(units)
-    for u in range(count):  # forward
-        held = sum(units[: u + 1]) if not reshard_after_forward else units[u]
-        ahead = units[u + 1] if prefetch and u + 1 < count else 0
-        peak = max(peak, held + ahead)
-    for u in reversed(range(count)):  # backward
-        if reshard_after_forward:
-            params = units[u] + (units[u - 1] if prefetch and u > 0 else 0)
-        else:
-            params = sum(units[: u + 1])  # kept since forward, freed after each backward
-        grads = units[u] + (units[u + 1] if prefetch and u + 1 < count else 0)
-        peak = max(peak, params + grads)
-    return peak
-
-
 def ledger_bytes(
     strategy: str,
     model_config: ModelConfig,

@@ -172,9 +172,11 @@ def test_cluster_picture_names_each_rank_with_its_engine_id():
     fig.canvas.draw()
 
 
-def collectives(stage: str, phase: str) -> list[tuple[str, str]]:
+def collectives(stage: str, phase: str, **options) -> list[tuple[str, str]]:
     return [
-        (kind, label) for p, kind, label in step_events(stage) if p == phase and kind != COMPUTE
+        (kind, label)
+        for p, kind, label in step_events(stage, **options)
+        if p == phase and kind != COMPUTE
     ]
 
 
@@ -185,19 +187,23 @@ def test_step_events_follow_the_strategies():
     assert collectives("dp", "backward") == [("allreduce", g) for g in grads]
     assert collectives("dp", "update") == []
     assert collectives("zero1", "backward") == []
-    assert collectives("zero1", "update") == [
-        pair
-        for g, p in zip(grads[::-1], params, strict=True)
-        for pair in (("reduce_scatter", g), ("allgather", p))
+    assert collectives("zero1", "update") == [  # every owned gradient first, then the updates
+        *[("reduce_scatter", g) for g in grads[::-1]],
+        *[("allgather", p) for p in params],
     ]
     assert collectives("zero2", "backward") == [("reduce_scatter", g) for g in grads]
     assert collectives("zero2", "update") == [("allgather", p) for p in params]
     assert collectives("zero3", "forward") == [("allgather", p) for p in params]
-    assert collectives("zero3", "backward") == [
+    assert collectives("zero3", "backward", prefetch=False) == [
         pair
         for p, g in zip(params[::-1], grads, strict=True)
         for pair in (("allgather", p), ("reduce_scatter", g))
     ]
+    # prefetch: the next unit's allgather is issued before this one's reduce-scatter
+    assert collectives("zero3", "backward") == [
+        ("allgather", "params fc2"), ("allgather", "params fc1"), ("reduce_scatter", "grad fc2"),
+        ("allgather", "params emb"), ("reduce_scatter", "grad fc1"), ("reduce_scatter", "grad emb"),
+    ]  # fmt: skip
     for stage in STAGES:  # and every step logs its loss
         assert collectives(stage, "log") == [("allreduce", "loss (8 B)")]
     with pytest.raises(ValueError, match="unknown stage 'zero4'"):

@@ -9,6 +9,10 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 
+from ..config import ModelConfig
+from ..dryrun import COMPUTE
+from ..dryrun import step_events as dry_step_events
+from ..plan import STAGES
 from ._style import KIND_COLORS, KINDS, LANE_COLORS
 
 TRACE_LANES = {  # the trace's lanes, top to bottom within a rank's row, and their colours
@@ -77,41 +81,19 @@ def timeline(
     return ax.figure
 
 
-STAGES = ("dp", "zero1", "zero2", "zero3")
-COMPUTE = "compute"
-
-
-def step_events(stage: str, layers: tuple[str, ...] = ("emb", "fc1", "fc2")) -> list[tuple]:
-    """(phase, kind, label) of one training step of a strategy, in order, for the layers that
-    have parameters: kind is COMPUTE or a collective. As strategies/*.py and train.py do it."""
+def step_events(stage: str, model_config: ModelConfig | None = None, **options) -> list[tuple]:
+    """(phase, kind, label) of one training step of a strategy on 2 ranks, in order, for the
+    layers that have parameters: kind is COMPUTE or a collective. Not a description: the
+    strategy's own code, run dry (dryrun.step_events)."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
-    events = []
-    for layer in layers:  # forward
-        if stage == "zero3":
-            events.append(("forward", "allgather", f"params {layer}"))
-        events.append(("forward", COMPUTE, layer))
-    for layer in reversed(layers):  # backward
-        if stage == "zero3":
-            events.append(("backward", "allgather", f"params {layer}"))
-        events.append(("backward", COMPUTE, layer))
-        if stage == "dp":
-            events.append(("backward", "allreduce", f"grad {layer}"))
-        elif stage in ("zero2", "zero3"):
-            events.append(("backward", "reduce_scatter", f"grad {layer}"))
-    for layer in layers:  # update
-        if stage == "zero1":
-            events.append(("update", "reduce_scatter", f"grad {layer}"))
-        events.append(("update", COMPUTE, f"{'all of ' if stage == 'dp' else 'shard '}{layer}"))
-        if stage in ("zero1", "zero2"):
-            events.append(("update", "allgather", f"params {layer}"))
-    events.append(("log", "allreduce", "loss (8 B)"))  # run() logs the mean loss every step
-    return events
+    return dry_step_events(stage, model_config, **options)
 
 
-def step_collectives(stage: str, layers: tuple[str, ...] = ("emb", "fc1", "fc2")) -> Figure:
-    """One step as a time line: computation on the top lane, collectives below, by phase."""
-    events = step_events(stage, layers)
+def step_collectives(stage: str, model_config: ModelConfig | None = None, **options) -> Figure:
+    """One step as a time line: computation on the top lane, collectives below, by phase
+    (`options`: the strategy's, e.g. zero3's prefetch=False)."""
+    events = step_events(stage, model_config, **options)
     fig, ax = plt.subplots(figsize=(max(8, 0.62 * len(events)), 2.5))
     phases = {}  # phase -> (first x, last x)
     for x, (phase, kind, label) in enumerate(events):

@@ -30,7 +30,7 @@ class DataParallel(Single):
     def reduce_grads(self, layer) -> None:
         self.precision.store_grad(layer)
         if self.reducing_now:
-            self.reducing.append(self.comm.iallreduce_mean(self.grads[layer.name]))
+            self.reducing.append(self.comm.iallreduce_mean(self.grads[layer.name], layer.name))
 
     def finish_reductions(self) -> None:
         """Wait for every allreduce in flight: the gradients are the means from here on."""

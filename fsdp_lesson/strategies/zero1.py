@@ -21,7 +21,7 @@ class ZeRO1(Single):
 
     def owned_grad(self, name: str):
         """The mean over ranks of this rank's slice of the layer's gradient."""
-        return self.comm.reduce_scatter_mean(self.grads[name], None)  # in place: lands in [:S]
+        return self.comm.reduce_scatter_mean(self.grads[name], None, name)  # in place: in [:S]
 
     def step(self) -> None:
         grads = {name: self.owned_grad(name) for name in self.layout}
@@ -32,4 +32,4 @@ class ZeRO1(Single):
         for name, flat in self.layout.items():
             owned_params = flat.owned_shard(self.params[name], self.comm.rank)
             self.update(owned_params, grads[name], self.opt_state[name])
-            self.comm.allgather(None, self.params[name])  # in place: each slice from its owner
+            self.comm.allgather(None, self.params[name], name)  # in place: slices from their owners

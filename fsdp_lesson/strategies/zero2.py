@@ -63,7 +63,7 @@ class ZeRO2(ZeRO1):
         if self.accumulate_full_grads:
             if self.micro == self.accum - 1:
                 full = self.accumulated.pop(layer.name)
-                self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
+                self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name], layer.name)
                 self.ledger.free(f"{layer.name} accumulated grad")
             return
         flat = self.layout[layer.name]
@@ -71,11 +71,12 @@ class ZeRO2(ZeRO1):
         full[flat.numel :] = 0  # the reused buffer's padding may hold a larger layer's values
         shard = self.grad_shards[layer.name]
         if self.micro == 0:
-            self.comm.reduce_scatter_mean(full, shard)
+            self.comm.reduce_scatter_mean(full, shard, layer.name)
             return
+        # "every": this micro-batch's mean gradient shard, added to the owned one
         label = "micro-batch grad shard"
         micro_shard = self.ledger.alloc("buffers", shard.size, label, self.dtype)
-        shard += self.comm.reduce_scatter_mean(full, micro_shard)  # "every": add this one's
+        shard += self.comm.reduce_scatter_mean(full, micro_shard, layer.name)
         self.ledger.free("micro-batch grad shard")
 
     def owned_grad(self, name: str):
