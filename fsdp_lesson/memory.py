@@ -62,17 +62,21 @@ class MemoryLedger:
                 f"shard more (a higher ZeRO stage), use more ranks, or raise the budget"
             )
         self.held[label] = (category, nbytes)
-        self.live[category] += nbytes
+        live = self.live[category] = self.live[category] + nbytes
         self.live_total += nbytes
-        self.peak[category] = max(self.peak[category], self.live[category])
-        self.peak_total = max(self.peak_total, self.live_total)
-        self.mark(f"hold {label}")
+        if live > self.peak[category]:
+            self.peak[category] = live
+        if self.live_total > self.peak_total:
+            self.peak_total = self.live_total
+        if self.timeline is not None:  # (the event's text only then: hold runs per layer)
+            self.mark(f"hold {label}")
 
     def free(self, label: str) -> None:
         category, nbytes = self.held.pop(label)
         self.live[category] -= nbytes
         self.live_total -= nbytes
-        self.mark(f"free {label}")
+        if self.timeline is not None:
+            self.mark(f"free {label}")
 
     def mark(self, event: str) -> None:
         """Record the live total at an event of the step, when recording a timeline."""
