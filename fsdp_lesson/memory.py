@@ -36,7 +36,7 @@ class MemoryLedger:
         self.peak_total = 0
         self.live_total = 0  # sum(live.values()), kept as it changes: hold runs on every layer
         self.held: dict[str, tuple[str, int]] = {}  # label -> (category, bytes)
-        # when recording: (event, live total) at every hold, free and mark
+        # when recording: (event, live total) at every hold and free
         self.timeline: list[tuple[str, int]] | None = None
 
     def alloc(
@@ -69,19 +69,14 @@ class MemoryLedger:
         if self.live_total > self.peak_total:
             self.peak_total = self.live_total
         if self.timeline is not None:  # (the event's text only then: hold runs per layer)
-            self.mark(f"hold {label}")
+            self.timeline.append((f"hold {label}", self.live_total))
 
     def free(self, label: str) -> None:
         category, nbytes = self.held.pop(label)
         self.live[category] -= nbytes
         self.live_total -= nbytes
         if self.timeline is not None:
-            self.mark(f"free {label}")
-
-    def mark(self, event: str) -> None:
-        """Record the live total at an event of the step, when recording a timeline."""
-        if self.timeline is not None:
-            self.timeline.append((event, self.live_total))
+            self.timeline.append((f"free {label}", self.live_total))
 
     def report(self) -> dict:
         """Live and peak bytes by category, for history.json and the plots."""
