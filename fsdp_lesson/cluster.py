@@ -19,10 +19,12 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -118,9 +120,9 @@ def _mpiexec() -> str:
     return shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
-def _prepare_engine() -> tuple[int, int]:
+def _prepare_engine() -> tuple[int, int, int]:
     """Runs on an engine as connect() finds it: its BLAS threads set as every launch sets them
-    (launch.py), and its place in MPI.COMM_WORLD.
+    (launch.py); returns its place in MPI.COMM_WORLD (rank, size) and its process id.
 
     A cluster started by hand (`ipcluster start`) lacks the launch settings, so each engine's
     BLAS uses a thread per core: 4 engines on 2 cores ran notebook 07 3.2x slower. The engine
@@ -134,11 +136,14 @@ def _prepare_engine() -> tuple[int, int]:
     from fsdp_lesson.launch import rank_settings
 
     threadpool_limits(int(rank_settings()["OPENBLAS_NUM_THREADS"]))
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), os.getpid()
 
 
-def _ids_in_rank_order(client: ipp.Client, n: int, timeout: float, fix: str) -> list[int]:
-    """Check that the engines are exactly one MPI world of size n; return their ids by rank."""
+def _engines_in_rank_order(
+    client: ipp.Client, n: int, timeout: float, fix: str
+) -> tuple[list[int], list[int]]:
+    """Check that the engines are exactly one MPI world of size n; return their ids and their
+    process ids, both by rank."""
     ids = client.ids
     if len(ids) > n:
         raise ClusterError(
@@ -152,23 +157,24 @@ def _ids_in_rank_order(client: ipp.Client, n: int, timeout: float, fix: str) -> 
             f"Could not ask the engines for their MPI rank ({type(err).__name__}: {err}). "
             f"Is mpi4py installed for the engines' Python? Fix: {fix}"
         ) from err
-    world_of = dict(zip(ids, worlds, strict=True))  # engine id -> (rank, size)
-    sizes = sorted({size for _, size in worlds})
+    world_of = dict(zip(ids, worlds, strict=True))  # engine id -> (rank, size, pid)
+    sizes = sorted({size for _, size, _ in worlds})
     if n > 1 and sizes == [1]:
         raise ClusterError(
             f"The {n} engines are not one MPI world (each reports COMM_WORLD size 1): they were "
             f"not started as one MPI job, as when a cluster is started without --engines=MPI. "
             f"Fix: {fix}"
         )
-    if sizes != [n] or sorted(rank for rank, _ in worlds) != list(range(n)):
+    if sizes != [n] or sorted(rank for rank, *_ in worlds) != list(range(n)):
         found = ", ".join(
-            f"engine {eid}: rank {rank} of {size}" for eid, (rank, size) in world_of.items()
+            f"engine {eid}: rank {rank} of {size}" for eid, (rank, size, _) in world_of.items()
         )
         raise ClusterError(
             f"The engines are not one MPI world of size {n} ({found}). "
             f"Use a cluster of exactly {n} MPI engines. Fix: {fix}"
         )
-    return sorted(ids, key=lambda eid: world_of[eid][0])
+    ids = sorted(ids, key=lambda eid: world_of[eid][0])
+    return ids, [world_of[eid][2] for eid in ids]
 
 
 def _wait_for_engines(client: ipp.Client, n: int, timeout: float, fix: str) -> None:
@@ -287,14 +293,13 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
         if not owned:
             _check_engine_count(cluster, n, fix)
         _wait_for_engines(client, n, timeout, fix)
-        ids_by_rank = _ids_in_rank_order(client, n, timeout, fix)
+        ids_by_rank, pids = _engines_in_rank_order(client, n, timeout, fix)
     except ClusterError:
         client.close()
         if owned:
             stop_cluster(cluster)
         raise
-    ranks = Ranks(client, ids_by_rank, profile, timeout, cluster if owned else None)
-    ranks.engine_logs = [es.output_file for es in cluster.engines.values()]
+    ranks = Ranks(client, ids_by_rank, pids, profile, timeout, cluster if owned else None)
     if owned:
         print(
             f"started a cluster of {n} MPI engines (profile {profile!r}); it stops when this "
@@ -312,6 +317,7 @@ class Ranks:
         self,
         client: ipp.Client,
         ids_by_rank: list[int],
+        pids: list[int],
         profile: str,
         timeout: float,
         cluster: ipp.Cluster | None,
@@ -323,8 +329,10 @@ class Ranks:
         self._profile = profile
         self._timeout = timeout
         self.cluster = cluster  # the ipyparallel Cluster if connect() started it, else None
-        self.engine_logs: list[str] = []  # where mpiexec reports a rank that died
-        self.pids = self.view.apply_async(os.getpid).get(timeout=timeout)  # by rank
+        self.pids = pids  # the engines' process ids by rank (they run on this machine)
+        self._exits: list[int] = []  # ranks in the order their engines' processes exited
+        self._stop_watch = threading.Event()
+        self._watch_exits()
 
     def __repr__(self) -> str:
         return f"<Ranks n={self.n} engines by rank={self.view.targets}>"
@@ -433,28 +441,22 @@ class Ranks:
         return f"\n{what}, so the engines were restarted (their variables are gone)."
 
     def _lost_rank(self, default: int, wait: float = 5.0) -> tuple[int, str]:
-        """Which rank died first. Each engine's nanny logs when its engine exits; the first
-        to log is the engine that died, the others went down with the MPI job after it.
-
-        Across hosts, mpiexec may end before another host's nannies are heard (their proxy
-        goes with it): after `wait` seconds, the first exit heard is named, as such."""
-        pattern = r"(\d\d:\d\d:\d\d\.\d+) \[KernelNanny\.\d+\] (?:Pipe closed, parent|Parent) (\d+)"
+        """Which rank died first: the first whose process _note_exits saw end (mpiexec ends the
+        others after it). If none is seen within `wait` seconds, `default`."""
         deadline = time.monotonic() + wait
-        while True:
-            exits = []
-            for log in self.engine_logs:
-                with contextlib.suppress(OSError), open(log) as f:
-                    found = re.findall(pattern, f.read())
-                    exits += [(t, int(pid)) for t, pid in found if int(pid) in self.pids]
-            everyone = len({pid for _, pid in exits}) == self.n
-            if exits and (everyone or time.monotonic() > deadline):
-                pid = min(exits)[1]
-                rank = self.pids.index(pid)
-                how = "died first" if everyone else "was the first heard to die"
-                return rank, f"the engine of rank {rank} (pid {pid}) {how}"
-            if time.monotonic() > deadline:
-                return default, "an engine died (its log does not say which first)"
-            time.sleep(0.1)
+        while not self._exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self._exits:
+            return default, "an engine died (no engine process was seen to end)"
+        rank = self._exits[0]
+        return rank, f"the engine of rank {rank} (pid {self.pids[rank]}) died first"
+
+    def _watch_exits(self) -> None:
+        """Stop watching the previous engines' processes, if any; watch the current ones."""
+        self._stop_watch.set()
+        self._exits, self._stop_watch = [], threading.Event()
+        watch = (self.pids, self._exits, self._stop_watch)
+        threading.Thread(target=_note_exits, args=watch, daemon=True).start()
 
     def _restart_engines(self) -> None:
         """Kill the engine set and start a fresh one; a rank blocked in MPI ignores SIGTERM."""
@@ -470,12 +472,14 @@ class Ranks:
         fix = _how_to_fix(self.n, self._profile, owned=True)
         _wait_for_engines(self.client, self.n, self._timeout, fix)
         # Update the view in place, so a view activated for %px keeps working.
-        self.view.targets = _ids_in_rank_order(self.client, self.n, self._timeout, fix)
-        self.pids = self.view.apply_async(os.getpid).get(timeout=self._timeout)
-        self.engine_logs = [es.output_file for es in self.cluster.engines.values()]
+        self.view.targets, self.pids = _engines_in_rank_order(
+            self.client, self.n, self._timeout, fix
+        )
+        self._watch_exits()
 
     def close(self) -> None:
         """Close the client; stop the cluster too if connect() started it."""
+        self._stop_watch.set()
         self.client.close()
         if self.cluster is not None:
             stop_cluster(self.cluster)
@@ -572,6 +576,44 @@ def report_progress(step: int, loss: float) -> None:
     kernel = sys.modules.get("ipyparallel.engine.kernel")  # imported only inside an engine
     if kernel is not None and kernel.IPythonParallelKernel.initialized():
         publish_data({"step": int(step), "loss": float(loss)})
+
+
+def _note_exits(pids: list[int], exits: list[int], stop: threading.Event) -> None:
+    """Append each rank to `exits` as its process ends, until all have or `stop` is set: mpiexec
+    ends the others ~10 ms after one engine dies, so only a watch already running can tell which
+    was first. pidfds wake it on Linux; elsewhere it polls."""
+    fds = _pidfds(pids)
+    poller = select.poll() if fds else None
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    try:
+        while len(exits) < len(pids) and not stop.is_set():
+            if poller:
+                ready = [fd for fd, _ in poller.poll(500)]
+                for fd in ready:
+                    poller.unregister(fd)  # it stays readable
+                exits += sorted(fds[fd] for fd in ready)
+            else:
+                stop.wait(0.005)
+                gone = {r for r, pid in enumerate(pids) if not psutil.pid_exists(pid)}
+                exits += sorted(gone - set(exits))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _pidfds(pids: list[int]) -> dict[int, int]:
+    """The processes' pidfds (fd -> rank), each readable once its process ends; {} where there
+    are none (not Linux, or a process reaped already)."""
+    fds: dict[int, int] = {}
+    try:
+        for rank, pid in enumerate(pids):
+            fds[os.pidfd_open(pid)] = rank
+    except (AttributeError, OSError):
+        for fd in fds:
+            os.close(fd)
+        return {}
+    return fds
 
 
 def _as_rank(targets: list[int], match: re.Match) -> str:

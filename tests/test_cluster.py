@@ -388,6 +388,34 @@ def test_report_progress_is_a_no_op_off_an_engine():
     report_progress(1, 0.5)
 
 
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfds", "polling"])
+def test_exits_are_noted_in_the_order_the_processes_end(pidfds, monkeypatch):
+    """What names the rank whose engine died first: mpiexec ends the others milliseconds later."""
+    from fsdp_lesson import cluster
+
+    if not pidfds:
+        monkeypatch.setattr(cluster, "_pidfds", lambda pids: {})
+    processes = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    exits, stop = [], threading.Event()
+    pids = [p.pid for p in processes]
+    watch = threading.Thread(target=cluster._note_exits, args=(pids, exits, stop))
+    watch.start()
+    try:
+        for rank in (2, 0):  # rank 1 keeps running: only `stop` ends the watch
+            time.sleep(0.05)
+            processes[rank].kill()
+            processes[rank].wait()  # reaped, as hydra reaps its engines
+        time.sleep(0.1)
+        stop.set()
+        watch.join(timeout=5)
+    finally:
+        stop.set()
+        for process in processes:
+            process.kill()
+            process.wait()
+    assert exits == [2, 0] and not watch.is_alive()
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_a_killed_kernel_leaves_no_cluster_behind(tmp_path):

@@ -153,8 +153,8 @@ def test_shape_changes_every_cable_under_running_engines(simulated, ranks):
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_an_engine_that_dies_on_a_host_is_named_and_the_engines_restart_there(ranks):
-    """Rank 2, on the second host: its nanny's line reaches the log (the first host's may not:
-    mpiexec ends its proxy), so the rank is named; the new engines are on the hosts again."""
+    """Rank 2, on the second host: its process is the first seen to end (the hosts share this
+    machine's process ids), so the rank is named; the new engines are on the hosts again."""
     error = error_when_rank_2_is_killed(ranks)
     assert error.rank == 2 and "restarted" in str(error), str(error)
     assert [host for *_, host in ranks.run(placement)] == [
