@@ -269,7 +269,7 @@ def say_between_hosts(say: Callable[[str], None], traffic: list[dict]) -> None:
 
 
 def train_command(args) -> None:
-    from .comm import Comm, together
+    from .comm import Comm, gather_objects, raise_on_every_rank
     from .train import REFUSALS, Diverged, run
 
     check_flags(args)
@@ -281,7 +281,7 @@ def train_command(args) -> None:
     comm = Comm() if alone else Comm.world(run_config.collectives, train_config.timeout)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     try:  # every refusal is agreed on, so all ranks raise it together: no hang
-        together(comm, lambda: check_out(args.out), REFUSALS)
+        raise_on_every_rank(comm, lambda: check_out(args.out), REFUSALS)
         history, strategy = run(
             model_config,
             train_config,
@@ -300,7 +300,7 @@ def train_command(args) -> None:
     # a collective under sharding: every rank takes part, one layer gathered at a time, and only
     # when params.npz is asked for; only rank 0, which writes it, keeps the copies
     params = strategy.full_params(root=0) if args.out is not None else {}
-    per_rank = comm.gather_objects({"memory": history.memory, "traffic": history.traffic})
+    per_rank = gather_objects(comm, {"memory": history.memory, "traffic": history.traffic})
     if comm.rank == 0:
         say_between_hosts(say, [r["traffic"] for r in per_rank])
 
@@ -309,7 +309,7 @@ def train_command(args) -> None:
             write_out(args.out, history, per_rank, params, say)
 
     try:
-        together(comm, write_run, REFUSALS)
+        raise_on_every_rank(comm, write_run, REFUSALS)
     except REFUSALS as err:
         raise UsageError(f"error: {err}") from None
 

@@ -36,7 +36,7 @@ FULL = {"ranks": [1, 2, 4, 8], "models": ["seed", "medium", "large"]}
 
 def measure(model_name: str, strategy: str, optimizer: str = "adam") -> dict | None:
     """Train one configuration on this MPI job; rank 0 gets every rank's figures."""
-    from .comm import Comm
+    from .comm import Comm, gather_objects
     from .config import ModelConfig, RunConfig, TrainConfig
     from .train import run
 
@@ -60,7 +60,7 @@ def measure(model_name: str, strategy: str, optimizer: str = "adam") -> dict | N
         "comm_ms_per_step": sum(t["seconds"] for t in history.traffic.values()) / steps * 1e3,
         "median_ms_per_step": float(np.median(history.step_seconds) * 1e3),
     }
-    per_rank = comm.gather_objects(mine)
+    per_rank = gather_objects(comm, mine)
     if comm.rank != 0:
         return None
     return {

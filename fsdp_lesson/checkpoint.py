@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .comm import Comm, together
+from .comm import Comm, raise_on_every_rank
 from .data import DataError, sha256_of
 from .flat import FlatParam
 from .rng import Rng
@@ -240,7 +240,7 @@ def _agree_on_io(comm: Comm, work, where: Path):
                 f"space, or save elsewhere (--out); is another run writing there too?"
             ) from None
 
-    return together(comm, attempt, (CheckpointError,))
+    return raise_on_every_rank(comm, attempt, (CheckpointError,))
 
 
 def find_checkpoint(directory: str | os.PathLike) -> Path | None:

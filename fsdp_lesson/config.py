@@ -20,6 +20,7 @@ from typing import Any
 from .data import DEFAULT_PATH
 from .precision import PRECISIONS
 from .sharding import STRATEGIES
+from .watchdog import DEFAULT_TIMEOUT
 
 OPTIMIZERS = ("sgd", "adam")
 ACCUM_REDUCE = ("every", "last")
@@ -35,6 +36,14 @@ class ConfigError(ValueError):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _require_positive_finite(name: str, value, unit: str = "", optional: bool = False) -> None:
+    """Refuse a value that is not above 0 and below infinity (None passes when optional)."""
+    _require(
+        (optional and value is None) or (value is not None and 0 < value < math.inf),
+        f"{name} must be a positive finite number{unit}, got {value}",
+    )
 
 
 def flag(name: str, default: Any, help: str, **parsing: Any) -> Any:
@@ -108,7 +117,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train: strategy, optimizer, steps, global batch, seed; defaults as in train_fsdp.c."""
+    """How to train: strategy, optimizer, steps, global batch, seed; the defaults are those of
+    the C program the course grew from (docs/seed_semantics.md)."""
 
     strategy: str = flag(
         "--strategy",
@@ -136,7 +146,7 @@ class TrainConfig:
     c_compat: bool = flag(
         "--c-compat",
         False,
-        "glibc rand() and the seed's order: reproduces train.c's numbers",
+        "glibc rand() and the seed's order: the C program's numbers (docs/seed_semantics.md)",
         action="store_true",
     )
     eval_batches: int = flag(
@@ -219,9 +229,9 @@ class TrainConfig:
         type=positive_float,
         metavar="X",
     )
-    timeout: float = flag(  # comm.py
+    timeout: float = flag(  # watchdog.py
         "--timeout",
-        300.0,
+        DEFAULT_TIMEOUT,
         "a rank that waits longer than this in one collective (another rank stopped, hung"
         " or gone) ends every rank with one line naming the collective and the ranks that did"
         " not arrive, exit code 4; the default is far above this lesson's longest healthy wait"
@@ -238,20 +248,14 @@ class TrainConfig:
         """Raise ConfigError before any work (and so before any collective)."""
         _require_choices(self)
         _require(self.steps >= 0, f"steps must be 0 or more, got {self.steps}")
-        _require(
-            self.lr is not None and 0 < self.lr < math.inf,
-            f"lr must be a positive finite number, got {self.lr}",
-        )
+        _require_positive_finite("lr", self.lr)
         _require(
             0 <= self.seed < 2**32,
             f"seed must be between 0 and 2**32 - 1 (an unsigned 32-bit number, as C's srand "
             f"takes), got {self.seed}",
         )
         _require(self.batch >= 1, f"batch must be positive, got {self.batch}")
-        _require(
-            self.memory_budget_mb is None or 0 < self.memory_budget_mb < math.inf,
-            f"memory budget must be a positive finite number of MiB, got {self.memory_budget_mb}",
-        )
+        _require_positive_finite("memory budget", self.memory_budget_mb, " of MiB", optional=True)
         _require(
             self.eval_batches >= 0 and self.samples >= 0 and self.log_every >= 1,
             "eval_batches and samples must be >= 0 and log_every >= 1",
@@ -272,10 +276,7 @@ class TrainConfig:
             " --replicate R (R > 1)",
         )
         _require(self.accum >= 1, f"accum must be a positive integer, got {self.accum}")
-        _require(
-            self.clip_grad_norm is None or 0 < self.clip_grad_norm < math.inf,
-            f"clip_grad_norm must be a positive finite number, got {self.clip_grad_norm}",
-        )
+        _require_positive_finite("clip_grad_norm", self.clip_grad_norm, optional=True)
         _require(
             isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf,
             f"timeout must be a positive finite number of seconds, got {self.timeout}",

@@ -284,36 +284,58 @@ def check_layout(layout: Layout) -> None:
 
 def build(record: Record, layout: Layout, directory: Path) -> None:
     """Every step of `up`, each recorded before it is taken."""
-    sw = layout.switch
     # first, so that `down` removes it last, once nothing of ours runs that could write into it
+    profile = make_profile(record, layout, directory)
+    names_file = hosts_file(layout)
+    for ns in layout.namespaces():
+        make_namespace(record, ns, names_file)
+    make_switch(record, layout.switch)
+    for i, host in enumerate(layout.names):
+        make_cable(record, layout, i, host)
+    write_scripts(record, layout, directory, profile)
+
+
+def make_profile(record: Record, layout: Layout, directory: Path) -> Path:
+    """The ipyparallel profile directory, with its ipcluster_config.py; returns its path."""
     profile = directory / PROFILE
     if len(str(profile / "security" / "client-65535")) > 107:  # a Unix socket's path limit
         raise HostsError(f"{directory} is too long a path for Unix sockets: use a shorter --dir")
     record.step("profile", path=str(profile))
     profile.mkdir(parents=True, exist_ok=True)
     (profile / "ipcluster_config.py").write_text(ipcluster_config(layout, profile))
-    names_file = f"127.0.0.1 localhost\n{SWITCH_ADDRESS} {sw}\n" + "".join(
+    return profile
+
+
+def hosts_file(layout: Layout) -> str:
+    """The /etc/hosts every namespace sees: the switch's and each host's name and address."""
+    return f"127.0.0.1 localhost\n{SWITCH_ADDRESS} {layout.switch}\n" + "".join(
         f"{layout.address(i)} {name}\n" for i, name in enumerate(layout.names)
     )
-    for ns in layout.namespaces():
-        act(record, "netns", ["ip", "netns", "add", ns], name=ns)
-        # `ip netns exec` shows these files as /etc/hosts and /etc/resolv.conf: the hosts' names
-        # resolve from the file, and a lookup of any other name asks no nameserver but 127.0.0.1
-        # inside the namespace, where none listens.
-        etc = Path("/etc/netns", ns)
-        if not etc.parent.exists():  # made by us, so removed by down when empty again
-            record.step("etc", path=str(etc.parent), files=[])
-            etc.parent.mkdir()
-        record.step("etc", path=str(etc), files=["hosts", "resolv.conf"])
-        etc.mkdir()
-        (etc / "hosts").write_text(names_file)
-        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        # IPv6 off (where the kernel has it): no router solicitations on the counters
-        no_ipv6 = "for f in all default; do echo 1 >/proc/sys/net/ipv6/conf/$f/disable_ipv6; done"
-        no_ipv6 = f"({no_ipv6}) 2>/dev/null; :"
-        act(record, "inside", ["ip", "netns", "exec", ns, "sh", "-c", no_ipv6], name=ns)
-        act(record, "inside", ["ip", "-n", ns, "link", "set", "lo", "up"], name=ns)
 
+
+def make_namespace(record: Record, ns: str, names_file: str) -> None:
+    """One namespace (a host's or the switch's): its /etc files, IPv6 off, loopback up."""
+    act(record, "netns", ["ip", "netns", "add", ns], name=ns)
+    # `ip netns exec` shows these files as /etc/hosts and /etc/resolv.conf: the hosts' names
+    # resolve from the file, and a lookup of any other name asks no nameserver but 127.0.0.1
+    # inside the namespace, where none listens.
+    etc = Path("/etc/netns", ns)
+    if not etc.parent.exists():  # made by us, so removed by down when empty again
+        record.step("etc", path=str(etc.parent), files=[])
+        etc.parent.mkdir()
+    record.step("etc", path=str(etc), files=["hosts", "resolv.conf"])
+    etc.mkdir()
+    (etc / "hosts").write_text(names_file)
+    (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    # IPv6 off (where the kernel has it): no router solicitations on the counters
+    no_ipv6 = "for f in all default; do echo 1 >/proc/sys/net/ipv6/conf/$f/disable_ipv6; done"
+    no_ipv6 = f"({no_ipv6}) 2>/dev/null; :"
+    act(record, "inside", ["ip", "netns", "exec", ns, "sh", "-c", no_ipv6], name=ns)
+    act(record, "inside", ["ip", "-n", ns, "link", "set", "lo", "up"], name=ns)
+
+
+def make_switch(record: Record, sw: str) -> None:
+    """The bridge in the switch's namespace, at SWITCH_ADDRESS."""
     act(record, "inside", ["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"], name=sw)
     act(
         record,
@@ -322,52 +344,35 @@ def build(record: Record, layout: Layout, directory: Path) -> None:
         name=sw,
     )
     act(record, "inside", ["ip", "-n", sw, "link", "set", BRIDGE, "up"], name=sw)
-    for i, host in enumerate(layout.names):
-        port = f"fsdpl-p{i}"
-        act(
-            record,
-            "inside",
-            [
-                "ip",
-                "-n",
-                sw,
-                "link",
-                "add",
-                port,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                host,
-            ],
-            name=sw,
-        )
-        act(
-            record, "inside", ["ip", "-n", sw, "link", "set", port, "master", BRIDGE, "up"], name=sw
-        )
-        act(
-            record,
-            "inside",
-            ["ip", "-n", host, "addr", "add", f"{layout.address(i)}/24", "dev", "eth0"],
-            name=host,
-        )
-        act(record, "inside", ["ip", "-n", host, "link", "set", "eth0", "up"], name=host)
-        shape = tbf(layout.bandwidth)
-        act(
-            record,
-            "inside",
-            ["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *shape],
-            name=host,
-        )
-        act(
-            record, "inside", ["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape], name=sw
-        )
 
-    write_file(
-        record, directory / "hostfile", "".join(f"{name}:{layout.slots}\n" for name in layout.names)
+
+def make_cable(record: Record, layout: Layout, i: int, host: str) -> None:
+    """Host i's cable: a veth pair from its eth0 to a port of the bridge, both ends shaped."""
+    sw, port = layout.switch, f"fsdpl-p{i}"
+    peer = ["peer", "name", "eth0", "netns", host]  # the host's end of the pair
+    act(record, "inside", ["ip", "-n", sw, "link", "add", port, "type", "veth", *peer], name=sw)
+    act(record, "inside", ["ip", "-n", sw, "link", "set", port, "master", BRIDGE, "up"], name=sw)
+    act(
+        record,
+        "inside",
+        ["ip", "-n", host, "addr", "add", f"{layout.address(i)}/24", "dev", "eth0"],
+        name=host,
     )
+    act(record, "inside", ["ip", "-n", host, "link", "set", "eth0", "up"], name=host)
+    shape = tbf(layout.bandwidth)
+    act(
+        record,
+        "inside",
+        ["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *shape],
+        name=host,
+    )
+    act(record, "inside", ["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape], name=sw)
+
+
+def write_scripts(record: Record, layout: Layout, directory: Path, profile: Path) -> None:
+    """hostfile, launch, mpiexec and ipcluster in directory."""
+    hostfile = "".join(f"{name}:{layout.slots}\n" for name in layout.names)
+    write_file(record, directory / "hostfile", hostfile)
     write_file(record, directory / "launch", launch_script(layout), executable=True)
     write_file(record, directory / "mpiexec", mpiexec_script(directory), executable=True)
     write_file(record, directory / "ipcluster", ipcluster_script(layout, profile), executable=True)

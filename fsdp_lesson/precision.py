@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .comm import all_agree
 from .flat import FlatParam
 from .memory import MemoryLedger
 
@@ -133,7 +134,7 @@ class Precision:
         the loss scale halved (LossScaler). Always False without loss scaling."""
         if self.scaler is None:
             return False
-        return not self.scaler.update(comm.all_agree(all_finite(grads)))
+        return not self.scaler.update(all_agree(comm, all_finite(grads)))
 
     def update(self, optimizer, params: np.ndarray, grad: np.ndarray, state: dict, clip: float):
         """optimizer.update on what this rank owns, the gradient scaled by `clip` (<= 1).

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
-from .comm import Comm, together
+from .comm import Comm, raise_on_every_rank, ranks_on_this_host, same_everywhere
 from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import (
     DEFAULT_PATH,
@@ -219,13 +219,13 @@ def check_replicas(strategy: Strategy) -> None:
     arrays = {key: s.array for key, s in strategy.local_state().items() if not s.sharded}
     if strategy.mixed and not is_sharded(strategy.stage, "params"):  # and the 16-bit copy
         arrays |= {f"{name}.params16": a for name, a in strategy.param_arrays().items()}
-    differ = [name for name, a in arrays.items() if not strategy.comm.same_everywhere(a)]
+    differ = [name for name, a in arrays.items() if not same_everywhere(strategy.comm, a)]
     if differ:
         raise ReplicaMismatch(f"replicated state differs between ranks: {', '.join(differ)}")
 
 
 # Refusals every rank can reach on its own (a bad config, a missing file, a checkpoint that
-# does not fit): `together` makes every rank raise them, never one rank alone.
+# does not fit): `raise_on_every_rank` makes every rank raise them, never one rank alone.
 REFUSALS = (ConfigError, DataError, CheckpointError, MemoryBudgetError)
 
 
@@ -288,7 +288,7 @@ def check_memory(
     available = available_memory()
     if available is None:
         return
-    allowed = available / comm.ranks_on_this_host()
+    allowed = available / ranks_on_this_host(comm)
     load, kept = (0, 0) if data_path is None else load_bytes(data_path, model_config.seq_len)
     total = max(load, kept + need)
     if total <= allowed:
@@ -363,7 +363,7 @@ def run(
     on_log(step, loss) is called every train_config.log_every steps and at the last one.
     """
     comm, rc, tc = comm or Comm(), run_config or RunConfig(), train_config
-    data = together(comm, lambda: prepare(model_config, tc, rc, comm, data), REFUSALS)
+    data = raise_on_every_rank(comm, lambda: prepare(model_config, tc, rc, comm, data), REFUSALS)
     comm.timeout = tc.timeout  # validated: from here each collective waits at most this long
     settings = comm.allgather_objects((asdict(model_config), tc.to_dict()))
     if any(other != settings[0] for other in settings):  # every rank sees the same list
@@ -378,13 +378,13 @@ def run(
         tracemalloc.start()
     options = memory_options(tc) | strategy_options(tc.strategy, tc)
     options["clip_grad_norm"] = tc.clip_grad_norm  # allocates nothing: not the planner's
-    strategy = together(
+    strategy = raise_on_every_rank(
         comm,
         lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger, **options),
         REFUSALS,
     )
     # layer by layer, each rank only what it holds
-    together(comm, lambda: strategy.init_params(rng), REFUSALS)
+    raise_on_every_rank(comm, lambda: strategy.init_params(rng), REFUSALS)
     first_step = 0 if rc.resume is None else resume(rc, strategy, rng, history)
     train_loop(model, strategy, data, rng, history, first_step, tc, rc, on_log)
     finish(model, strategy, data, rng, history, tc, rc)
@@ -417,7 +417,7 @@ def prepare(
 def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int:
     """Load rc.resume into strategy and rng, carry its losses into history; the step it was at."""
     comm = strategy.comm
-    manifest = together(
+    manifest = raise_on_every_rank(
         comm,
         lambda: load_checkpoint(
             rc.resume, strategy, rng, history.model_config, history.train_config, reshard=rc.reshard

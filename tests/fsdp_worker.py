@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from fsdp_lesson.comm import Comm
+from fsdp_lesson.comm import Comm, gather_objects
 from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
@@ -62,14 +62,15 @@ def main(out: str) -> None:
             k: e.array.copy() for k, e in strategy.local_state().items() if k.endswith(".params")
         }
         params = strategy.full_params()
-        per_rank = comm.gather_objects(
+        per_rank = gather_objects(
+            comm,
             {
                 "memory": history.memory,
                 "traffic": history.traffic,
                 "trace": history.trace,
                 "initial": initial if config.steps == 0 else None,
                 "sharded": {k: e.sharded for k, e in strategy.local_state().items()},
-            }
+            },
         )
         if comm.rank == 0:
             results[name] = {

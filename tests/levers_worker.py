@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from fsdp_lesson.comm import Comm
+from fsdp_lesson.comm import Comm, gather_objects
 from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
@@ -97,8 +97,13 @@ def main(out: str) -> None:
             model_config, config, RunConfig(collectives=collectives), comm, data
         )
         params = master_params(strategy)
-        per_rank = comm.gather_objects(
-            {"memory": history.memory, "traffic": history.traffic, "skipped": history.skipped_steps}
+        per_rank = gather_objects(
+            comm,
+            {
+                "memory": history.memory,
+                "traffic": history.traffic,
+                "skipped": history.skipped_steps,
+            },
         )
         if comm.rank == 0:
             results[name] = {

@@ -7,7 +7,7 @@ rank's memory ledger, traffic and tracemalloc peak, the samples, and the samplin
 import pickle
 import sys
 
-from fsdp_lesson.comm import Comm
+from fsdp_lesson.comm import Comm, gather_objects
 from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
@@ -67,13 +67,14 @@ def main(out: str) -> None:
         comm = Comm.world()  # fresh accounting per run
         history, strategy = run(model_config, config, RunConfig(**run_kwargs), comm, data)
         params = strategy.full_params()
-        per_rank = comm.gather_objects(
+        per_rank = gather_objects(
+            comm,
             {
                 "memory": history.memory,
                 "traffic": history.traffic,
                 "after": comm.traffic_report(),
                 "padding_is_zero": padding_is_zero(strategy),
-            }
+            },
         )
         if comm.rank == 0:
             results[name] = {

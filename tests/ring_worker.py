@@ -11,7 +11,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from fsdp_lesson.comm import Comm
+from fsdp_lesson.comm import Comm, gather_objects, same_everywhere
 from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.ring import Ring, chunk_bounds
@@ -38,7 +38,7 @@ def both(world, call, x: np.ndarray, **args) -> dict:
         result = call(comm, given, **args).copy()
         out[how] = result
         out[f"{how}_input_kept"] = bool(np.array_equal(given, x))
-        out[f"{how}_same_everywhere"] = comm.same_everywhere(result)
+        out[f"{how}_same_everywhere"] = same_everywhere(comm, result)
         out[f"{how}_traffic"] = comm.traffic_report()
     return out
 
@@ -129,7 +129,7 @@ def train_runs(world) -> dict:
             config = TrainConfig(strategy=strategy, optimizer=optimizer, **TRAIN)
             history, trained = run(ModelConfig(), config, comm=comm, data=data)
             params = trained.full_params()
-            per_rank = comm.gather_objects(history.traffic)
+            per_rank = gather_objects(comm, history.traffic)
             if comm.rank == 0:
                 results[f"{strategy}-{optimizer}"] = {
                     "train_config": config,

@@ -81,5 +81,5 @@ def test_help_shows_the_defaults_of_values_but_not_of_plain_switches():
     text = " ".join(train_parser().format_help().split())
     assert "gradients while computing (default: True)" in text  # --prefetch | --no-prefetch
     assert "(2x instead of 3x traffic) --replicate" in text  # --no-reshard-after-forward
-    assert "reproduces train.c's numbers --eval-batches" in text  # --c-compat
+    assert "(docs/seed_semantics.md) --eval-batches" in text  # --c-compat
     assert "(default: 25000)" in text and f"(default: {DEFAULT_PATH})" in text

@@ -3,7 +3,7 @@
 A rank stopped with SIGSTOP (a hung node, a debugger, a laptop lid) leaves the others waiting in
 their next collective. Past the timeout, the first rank to notice prints one line naming the
 collective, where the loop was and the ranks that have not arrived, and every rank ends with
-exit code 4 (comm.py, Watchdog). Checked on the real path: the CLI under mpiexec, a rank
+exit code 4 (watchdog.py, Watchdog). Checked on the real path: the CLI under mpiexec, a rank
 stopped by SIGSTOP, each wait bounded, and no process left behind.
 """
 
@@ -18,10 +18,11 @@ import pytest
 from mpi_helpers import MPIEXEC, ROOT
 
 from fsdp_lesson.checkpoint import MAY_CHANGE
-from fsdp_lesson.comm import DEFAULT_TIMEOUT, EXIT_TIMEOUT, Comm, timeout_message, whereabouts
+from fsdp_lesson.comm import Comm
 from fsdp_lesson.config import ConfigError, ModelConfig, TrainConfig
 from fsdp_lesson.launch import rank_env
 from fsdp_lesson.train import run as train
+from fsdp_lesson.watchdog import DEFAULT_TIMEOUT, EXIT_TIMEOUT, timeout_message, whereabouts
 
 TRAIN = [sys.executable, "-m", "fsdp_lesson", "train"]
 
@@ -190,17 +191,17 @@ def test_a_stopped_rank_ends_the_job_with_exit_code_4_and_one_line(strategy, n, 
 LATE_RANK = """
 import sys, time
 import numpy as np
-from fsdp_lesson.comm import Comm
+from fsdp_lesson.comm import Comm, all_agree, gather_objects, same_everywhere
 comm = Comm.world(timeout=1)
 if comm.rank == 1:
     time.sleep(60)
 x, full = np.ones(4, np.float32), np.ones(8, np.float32)
 {
     "mean_scalar": lambda: comm.mean_scalar(1.0),
-    "all_agree": lambda: comm.all_agree(True),
-    "same_everywhere": lambda: comm.same_everywhere(x),
+    "all_agree": lambda: all_agree(comm, True),
+    "same_everywhere": lambda: same_everywhere(comm, x),
     "allgather_objects": lambda: comm.allgather_objects("hello"),
-    "gather_objects": lambda: comm.gather_objects("hello"),
+    "gather_objects": lambda: gather_objects(comm, "hello"),
     "bcast": lambda: comm.bcast(x, root=1),
     "barrier": comm.barrier,
     "iallgather": lambda: comm.iallgather(x, full).wait(),
