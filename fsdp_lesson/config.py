@@ -1,4 +1,4 @@
-"""The three configs of a run; ModelConfig's and TrainConfig's defaults are the seed's numbers.
+"""The three configs of a run; ModelConfig's and TrainConfig's defaults are the C program's.
 
     ModelConfig   the network: vocabulary, context, widths, depth
     TrainConfig   how to train it: strategy, optimizer, steps, batch, seed (all a checkpoint keeps)
@@ -26,7 +26,7 @@ OPTIMIZERS = ("sgd", "adam")
 ACCUM_REDUCE = ("every", "last")
 SHARD_GROUPS = ("consecutive", "strided")
 COLLECTIVES = ("mpi", "ring")
-DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the seed's rate
+DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the C program's rate
 
 
 class ConfigError(ValueError):
@@ -104,7 +104,7 @@ class ModelConfig:
     emb: int = flag("--emb", 16, "embedding width", type=positive_int)
     hidden: int = flag("--hidden", 64, "hidden width", type=positive_int)
     layers: int = flag(
-        "--layers", 1, "hidden Linear+ReLU blocks (1 is the seed's model)", type=positive_int
+        "--layers", 1, "hidden Linear+ReLU blocks (1: the C program's model)", type=positive_int
     )
 
     def validate(self) -> None:
@@ -132,7 +132,7 @@ class TrainConfig:
     lr: float | None = flag(  # None: the optimizer's default (DEFAULT_LR), filled in at creation
         "--lr",
         None,
-        "learning rate (default: 0.1 for sgd, the seed's; 1e-3 for adam)",
+        "learning rate (default: 0.1 for sgd, the C program's; 1e-3 for adam)",
         type=positive_float,
     )
     steps: int = flag(
@@ -146,7 +146,7 @@ class TrainConfig:
     c_compat: bool = flag(
         "--c-compat",
         False,
-        "glibc rand() and the seed's order: the C program's numbers (docs/seed_semantics.md)",
+        "glibc rand() and the C program's order: its numbers (docs/seed_semantics.md)",
         action="store_true",
     )
     eval_batches: int = flag(
