@@ -295,9 +295,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 def scaler_state(strategy: Strategy) -> dict:
     """fp16's loss scale and its run of good steps; {} for a run without loss scaling."""
-    if strategy.scaler is None:
+    scaler = strategy.precision.scaler
+    if scaler is None:
         return {}
-    return {"scale": float(strategy.scaler.scale), "good_steps": strategy.scaler.good_steps}
+    return {"scale": float(scaler.scale), "good_steps": scaler.good_steps}
 
 
 def _validate(manifest, path: Path) -> None:
@@ -539,9 +540,10 @@ def load_checkpoint(
     manifest["losses"] = read_losses(found, manifest["step"])
     _check_rng_state(manifest["rng"], found)
     strategy.load_state(vectors, manifest["optimizer_steps"])
-    if strategy.scaler is not None and manifest["loss_scaler"]:  # fp16: the scale goes on
-        strategy.scaler.scale = manifest["loss_scaler"]["scale"]
-        strategy.scaler.good_steps = manifest["loss_scaler"]["good_steps"]
+    scaler = strategy.precision.scaler
+    if scaler is not None and manifest["loss_scaler"]:  # fp16: the scale goes on
+        scaler.scale = manifest["loss_scaler"]["scale"]
+        scaler.good_steps = manifest["loss_scaler"]["good_steps"]
     try:
         rng.set_state(manifest["rng"])
     except (KeyError, TypeError, ValueError) as err:

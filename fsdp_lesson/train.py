@@ -472,7 +472,7 @@ def train_loop(
             if step == rc.trace_step:  # the collectives' spans, and zero3's units' compute
                 comm.trace.spans = []
             local_loss = train_step(model, strategy, X, Y, tc.accum, tc.recompute)
-            if strategy.scaler is not None and strategy.scaler.last_skipped:
+            if strategy.precision.scaler is not None and strategy.precision.scaler.last_skipped:
                 history.skipped_steps.append(step)
             if step == rc.timeline_step:
                 history.timeline, ledger.timeline = ledger.timeline, None

@@ -63,7 +63,8 @@ def test_mixed_precision_resumes_bit_identically(tmp_path, data, precision, stra
     assert np.array_equal(straight.losses, resumed.losses)
     assert straight.skipped_steps == resumed.skipped_steps
     if precision == "fp16":
-        assert (s2.scaler.scale, s2.scaler.good_steps) == (s1.scaler.scale, 60)
+        scaler1, scaler2 = s1.precision.scaler, s2.precision.scaler
+        assert (scaler2.scale, scaler2.good_steps) == (scaler1.scale, 60)
     with pytest.raises(CheckpointError, match="precision"):  # another precision is refused
         run(ModelConfig(), small(steps=60), RunConfig(resume=tmp_path / "c"), data=data)
 

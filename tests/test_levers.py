@@ -212,22 +212,22 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
         "single", model, make_optimizer("adam", 1e-3), Comm(), MemoryLedger(), precision="fp16"
     )
     strategy.init_params(make_rng(42))
-    strategy.scaler.scale = 2.0**40
+    strategy.precision.scaler.scale = 2.0**40
     before = {k: e.array.copy() for k, e in strategy.local_state().items()}
     X, Y = data.X_train[:24], data.Y_train[:24]
     with np.errstate(over="ignore", invalid="ignore"):
         train_step(model, strategy, X, Y)
-    assert strategy.scaler.last_skipped and strategy.scaler.scale == 2.0**39
+    assert strategy.precision.scaler.last_skipped and strategy.precision.scaler.scale == 2.0**39
     assert strategy.optimizer.t == 0
     for k, e in strategy.local_state().items():
         assert np.array_equal(e.array, before[k]), k
     with np.errstate(over="ignore", invalid="ignore"):
         for _ in range(40):
             train_step(model, strategy, X, Y)
-            if not strategy.scaler.last_skipped:
+            if not strategy.precision.scaler.last_skipped:
                 break
-    assert not strategy.scaler.last_skipped and strategy.optimizer.t == 1
-    assert strategy.scaler.scale < 2.0**39  # halved until the gradients fit in fp16
+    assert not strategy.precision.scaler.last_skipped and strategy.optimizer.t == 1
+    assert strategy.precision.scaler.scale < 2.0**39  # halved until the gradients fit in fp16
 
 
 def test_recompute_is_bit_identical_saves_the_predicted_activations_and_no_traffic(world):

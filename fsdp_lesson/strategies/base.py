@@ -71,7 +71,6 @@ class Strategy:
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
         self.precision = Precision(precision, ledger)
         self.dtype, self.mixed = self.precision.dtype, self.precision.mixed
-        self.scaler = self.precision.scaler  # fp16's loss scale, else None
         # gradient accumulation: micro-batch `micro` of `accum`; "last" reduces only at the last
         self.accum, self.accum_reduce, self.micro = accum, accum_reduce, 0
         self.clip_grad_norm, self.clip_factor = clip_grad_norm, 1.0  # the factor: clip_grads'
@@ -235,7 +234,8 @@ class Strategy:
         """--clip-grad-norm X: the factor this step's gradients are scaled by in update, from
         the whole model's norm (optim.clip_coefficient; `over`: the ranks holding shards)."""
         if self.clip_grad_norm is not None:
-            scale = 1.0 if self.scaler is None else self.scaler.scale
+            scaler = self.precision.scaler  # fp16's gradients are still scaled by it
+            scale = 1.0 if scaler is None else scaler.scale
             self.clip_factor = clip_coefficient(grads, self.clip_grad_norm, over, scale)
 
     def update(self, params: np.ndarray, grad: np.ndarray, state: dict) -> None:
