@@ -35,15 +35,15 @@ COMPUTE = "compute"  # an EventLog's kind for a layer's forward or backward, or 
 
 
 class EventLog(list):
-    """(phase, kind, label) of one dry step, in order: phase is the strategy's own ("forward",
-    "backward"), "update" from its step() on; kind COMPUTE or a collective that moves bytes."""
+    """(phase, kind, label) of one dry step, in order: phase is the pass the loop says the
+    strategy is in (forward, backward, update); kind COMPUTE or a collective that moves bytes."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.strategy, self.updating = None, False
+        self.strategy = None  # set when the step begins
 
     def add(self, kind: str, label: str) -> None:
-        self.append(("update" if self.updating else self.strategy.phase, kind, label))
+        self.append((self.strategy.phase, kind, label))
 
     def collective(self, kind: str, buf: np.ndarray, tag: str) -> None:
         if buf.size:  # Comm moves nothing for a layer without parameters
@@ -189,9 +189,8 @@ def dry_run(
     built.init_params(rng=None)
     X = placeholder((micro_batch * accum, model_config.seq_len), np.uint8)
     Y = placeholder((micro_batch * accum,), np.uint8)
-    if log is not None:  # the step's events from here on; its step() is the update
-        log.strategy, step = built, built.step
-        built.step = lambda: (setattr(log, "updating", True), step())
+    if log is not None:  # the step's events from here on
+        log.strategy = built
     train_step(model, built, X, Y, accum, recompute)
     return ledger
 

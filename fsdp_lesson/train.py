@@ -106,6 +106,7 @@ def train_step(
                 strategy.release(layer)
         acts.clear()
         losses.append(loss)
+    strategy.begin_phase("update")
     strategy.step()
     return sum(losses) / accum
 

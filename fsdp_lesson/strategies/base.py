@@ -1,6 +1,6 @@
 """The strategy interface: the hooks the one training loop calls, and the state it owns.
 
-    begin_phase(phase)          the loop starts a pass: "forward" (evaluation too) or "backward"
+    begin_phase(phase)          the loop starts a pass: "forward", "backward", "update"
     materialize(layer) -> p     the layer's full parameters, ready for forward or backward
     release(layer)              done with them (zero3 frees its gathered copy)
     grad_buffer(layer) -> g     where backward writes the layer's full gradient
@@ -183,7 +183,7 @@ class Strategy:
     phase = "forward"  # which pass the hooks below serve; the loop says (begin_phase)
 
     def begin_phase(self, phase: str) -> None:
-        """The loop starts a pass, "forward" or "backward" (FSDP2's training state)."""
+        """The loop starts a pass: "forward", "backward", "update" (FSDP2's training state)."""
         self.phase = phase
 
     def materialize(self, layer) -> Params:
