@@ -382,11 +382,11 @@ def main(argv: list[str] | None = None) -> int:
             print(err, file=sys.stderr)
         return 3
     except Exception as err:  # anything unforeseen, on some ranks only perhaps
-        end_the_job(err)
+        abort_on_unforeseen(err)
     return 0
 
 
-def end_the_job(err: Exception) -> None:
+def abort_on_unforeseen(err: Exception) -> None:
     """An unforeseen error on this rank: say so in one line, then end every rank of the job.
 
     The other ranks may be waiting for this one inside a collective: MPI_Abort ends them all,
