@@ -40,7 +40,7 @@ class Unit:
         self.params: dict[str, Params] | None = None  # each layer's full parameters, gathered
         self.gathering: tuple[Request, dict[str, Params]] | None = None  # a prefetch in flight
         self.full_grad: np.ndarray | None = None  # from its backward to its reduce-scatter
-        self.grad_params: dict[str, Params] = {}  # each layer's views into full_grad
+        self.full_grad_views: dict[str, Params] = {}  # each layer's views into full_grad
         self.reducing: tuple[Request, np.ndarray | None] | None = None  # a reduce-scatter
         self.computing: float | None = None  # when its compute began, for the trace
 
@@ -118,8 +118,8 @@ class Unit:
             label, numel = f"{self.name} full grad", self.flat.padded_numel
             self.full_grad = self.ledger.alloc("buffers", numel, label, self.dtype, zeroed=False)
             self.full_grad[self.flat.numel :] = 0  # backward writes all but the padding
-            self.grad_params = self.views(self.full_grad)
-        return self.grad_params[layer]
+            self.full_grad_views = self.views(self.full_grad)
+        return self.full_grad_views[layer]
 
     def start_reduce_scatter(self, add: bool) -> None:
         """Start reduce-scattering the mean of the full gradient into the owned shard; with
@@ -139,7 +139,7 @@ class Unit:
         if added is not None:
             self.grad_shard += added
             self.ledger.free(f"{self.name} micro-batch grad shard")
-        self.full_grad, self.grad_params = None, {}  # no view keeps the buffer alive
+        self.full_grad, self.full_grad_views = None, {}  # no view keeps the buffer alive
         self.ledger.free(f"{self.name} full grad")
         if replicas is not None:
             replicas.allreduce_mean(self.grad_shard, self.name)
