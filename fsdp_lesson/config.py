@@ -26,6 +26,7 @@ OPTIMIZERS = ("sgd", "adam")
 ACCUM_REDUCE = ("every", "last")
 SHARD_GROUPS = ("consecutive", "strided")
 COLLECTIVES = ("mpi", "ring")
+SCHEDULES = ("gpipe", "1f1b")
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the C program's rate
 
 
@@ -195,6 +196,33 @@ class TrainConfig:
         " the fast links) and replicate across them; or over ranks R apart (the opposite)",
         choices=SHARD_GROUPS,
     )
+    # the mesh (mesh.py): tensor and pipeline parallelism; --strategy runs along what is left
+    tp: int = flag(
+        "--tp",
+        1,
+        "tensor parallelism: T consecutive ranks split each pair of hidden layers (Megatron)",
+        type=positive_int,
+    )
+    pp: int = flag(
+        "--pp",
+        1,
+        "pipeline parallelism: P stages of consecutive layers; --strategy runs over the"
+        " N / (T * P) ranks that hold the same piece",
+        type=positive_int,
+    )
+    micro_batches: int = flag(
+        "--micro-batches",
+        1,
+        "pipeline: split each rank's batch into M micro-batches that flow through the stages",
+        type=positive_int,
+    )
+    schedule: str = flag(
+        "--schedule",
+        "gpipe",
+        "pipeline: every forward then every backward (gpipe), or one forward one backward in"
+        " the steady state (1f1b: at most P micro-batches' activations held)",
+        choices=SCHEDULES,
+    )
     # the other memory levers (precision.py, docs/architecture.md "Memory levers")
     precision: str = flag(
         "--precision",
@@ -276,39 +304,62 @@ class TrainConfig:
             " --replicate R (R > 1)",
         )
         _require(self.accum >= 1, f"accum must be a positive integer, got {self.accum}")
+        _require(
+            min(self.tp, self.pp, self.micro_batches) >= 1,
+            "tp, pp and micro_batches must be positive integers",
+        )
         _require_positive_finite("clip_grad_norm", self.clip_grad_norm, optional=True)
         _require(
             isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf,
             f"timeout must be a positive finite number of seconds, got {self.timeout}",
         )
-        self._validate_ranks(world_size)
-
-    def _validate_ranks(self, world_size: int) -> None:
-        """The checks that need the rank count: after validate's own, so replicate >= 1."""
-        _require(
-            world_size % self.replicate == 0,
-            f"--replicate {self.replicate} does not divide {world_size} ranks into equal "
-            f"groups: use a divisor of {world_size}",
-        )
-        _require(
-            self.strategy != "single" or world_size == 1,
-            f"strategy 'single' runs on one rank, but this run has {world_size}: "
-            "use --strategy dp (or zero1/zero2/zero3), or run without mpiexec",
-        )
-        _require(
-            world_size <= self.batch,
-            f"{world_size} ranks but a global batch of {self.batch}: every rank needs "
-            f"at least one sample; use --batch {world_size} or more, or fewer ranks",
-        )
-        _require(
-            self.batch % world_size == 0,
-            f"global batch {self.batch} is not divisible by {world_size} ranks: "
-            f"use a batch that is a multiple of {world_size} (e.g. --batch "
-            f"{world_size * max(1, round(self.batch / world_size))}) or another rank count",
-        )
+        check_ranks(self, world_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_ranks(tc: TrainConfig, world_size: int) -> None:
+    """TrainConfig.validate's checks that need the rank count (after its own: every size >= 1)."""
+    _require(
+        world_size % (tc.tp * tc.pp) == 0,
+        f"--tp {tc.tp} --pp {tc.pp} need a multiple of {tc.tp * tc.pp} ranks, but"
+        f" this run has {world_size}: start a multiple of {tc.tp * tc.pp} ranks, or"
+        f" choose --tp and --pp whose product divides {world_size}",
+    )
+    dp = world_size // (tc.tp * tc.pp)  # the ranks --strategy runs over (mesh.py)
+    ranks = "ranks" if dp == world_size else "data-parallel ranks (N / (tp * pp))"
+    _require(
+        dp % tc.replicate == 0,
+        f"--replicate {tc.replicate} does not divide {dp} {ranks} into equal "
+        f"groups: use a divisor of {dp}",
+    )
+    _require(
+        tc.strategy != "single" or dp == 1,
+        f"strategy 'single' runs on one rank, but this run has {dp} {ranks}: "
+        "use --strategy dp (or zero1/zero2/zero3), or run without mpiexec",
+    )
+    _require(
+        dp <= tc.batch,
+        f"{dp} {ranks} but a global batch of {tc.batch}: every rank needs "
+        f"at least one sample; use --batch {dp} or more, or fewer ranks",
+    )
+    _require(
+        tc.batch % dp == 0,
+        f"global batch {tc.batch} is not divisible by {dp} {ranks}: "
+        f"use a batch that is a multiple of {dp} (e.g. --batch "
+        f"{dp * max(1, round(tc.batch / dp))}) or another rank count",
+    )
+    rows = tc.batch // dp
+    _require(
+        tc.micro_batches == 1 or tc.pp > 1,
+        "--micro-batches feeds a pipeline's stages: use it with --pp P (P > 1)",
+    )
+    _require(
+        rows % tc.micro_batches == 0,
+        f"each rank's {rows} rows do not split into {tc.micro_batches} equal micro-batches:"
+        f" use a --micro-batches that divides {rows}",
+    )
 
 
 @dataclass(frozen=True)
