@@ -2,6 +2,7 @@
 run trained the same model as single-rank training, simulated hosts, and killing a rank."""
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -33,6 +34,14 @@ def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedPro
         cwd=ROOT,
         env=rank_env(),
     )
+
+
+def worker_results(n: int, worker: str, tmp_path_factory, timeout: float = 300):
+    """What tests/WORKER wrote (a pickle) after running on n ranks; a failed run fails the test."""
+    out = tmp_path_factory.mktemp(f"{Path(worker).stem}{n}") / "results.pkl"
+    result = mpiexec(n, str(ROOT / "tests" / worker), str(out), timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return pickle.loads(out.read_bytes())
 
 
 def assert_same_as_single(what: str, run: dict, history, params: dict, atol: float = 1e-5) -> None:

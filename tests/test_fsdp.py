@@ -1,13 +1,12 @@
 """zero3 as FSDP runs it, under real `mpiexec -n N` (N = 1..4): sharded initialisation, units,
 prefetch, reshard-after-forward and hybrid sharding, each against single and the planner."""
 
-import pickle
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_helpers import mpiexec
+from mpi_helpers import mpiexec, worker_results
 
 from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
@@ -24,11 +23,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"N{n}")
 def world(request, tmp_path_factory):
-    n = request.param
-    out = tmp_path_factory.mktemp(f"fsdp{n}") / "results.pkl"
-    result = mpiexec(n, str(HERE / "fsdp_worker.py"), str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return n, pickle.loads(out.read_bytes())
+    return request.param, worker_results(request.param, "fsdp_worker.py", tmp_path_factory)
 
 
 @cache

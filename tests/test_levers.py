@@ -3,7 +3,6 @@ accumulation and activation recomputation with every strategy, against single-ra
 paper's accounting and the planner (tests/levers_worker.py runs them)."""
 
 import math
-import pickle
 import sys
 from functools import cache
 from pathlib import Path
@@ -24,7 +23,7 @@ from fsdp_lesson.train import memory_options, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from levers_worker import master_params  # noqa: E402
-from mpi_helpers import mpiexec  # noqa: E402
+from mpi_helpers import worker_results  # noqa: E402
 
 HERE = Path(__file__).parent
 OPTIONS = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")
@@ -32,11 +31,9 @@ OPTIONS = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate")
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"N{n}")
 def world(request, tmp_path_factory):
-    n = request.param
-    out = tmp_path_factory.mktemp(f"levers{n}") / "results.pkl"
-    result = mpiexec(n, str(HERE / "levers_worker.py"), str(out), timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return n, pickle.loads(out.read_bytes())
+    return request.param, worker_results(
+        request.param, "levers_worker.py", tmp_path_factory, timeout=900
+    )
 
 
 @cache

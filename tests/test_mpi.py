@@ -6,14 +6,13 @@ wrote with `single` computed here: equivalence, memory to the byte, traffic to t
 
 import json
 import math
-import pickle
 import re
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_helpers import assert_same_as_single, mpiexec
+from mpi_helpers import assert_same_as_single, mpiexec, worker_results
 
 from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
@@ -28,11 +27,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N{n}")
 def world(request, tmp_path_factory):
-    n = request.param
-    out = tmp_path_factory.mktemp(f"mpi{n}") / "results.pkl"
-    result = mpiexec(n, str(HERE / "mpi_worker.py"), str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return n, pickle.loads(out.read_bytes())
+    return request.param, worker_results(request.param, "mpi_worker.py", tmp_path_factory)
 
 
 @cache

@@ -7,13 +7,12 @@ bytes and messages with the ring formula, exactly.
 """
 
 import math
-import pickle
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_helpers import assert_same_as_single, mpiexec
+from mpi_helpers import assert_same_as_single, worker_results
 
 from fsdp_lesson.comm import Comm
 from fsdp_lesson.config import ModelConfig
@@ -29,11 +28,9 @@ TOLERANCE = {4: 1e-5, 8: 1e-13}  # float32, float64: the sums differ only in the
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"N{n}")
 def world(request, tmp_path_factory):
-    n = request.param
-    out = tmp_path_factory.mktemp(f"ring{n}") / "results.pkl"
-    result = mpiexec(n, str(HERE / "ring_worker.py"), str(out), timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return n, pickle.loads(out.read_bytes())
+    return request.param, worker_results(
+        request.param, "ring_worker.py", tmp_path_factory, timeout=300
+    )
 
 
 def cases(results, kind=None):
