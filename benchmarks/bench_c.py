@@ -1,22 +1,26 @@
 """Whole-process seconds of the C programs the course grew from, beside the CLI doing the same.
 
-    python benchmarks/bench_c.py --sources DIR [--steps 5000] [--reps 3]
+    python benchmarks/bench_c.py --sources DIR [--steps 5000] [--reps 3] [--programs ...]
 
-DIR holds `train.c`, `train_dp.c` and `train_fsdp.c` with their `src/` (the llm_parallelisms.c
-programs that docs/seed_semantics.md describes; they are not part of this repository). Each is
-copied into build/c with its step count set to --steps (they hard-code 25,000), compiled with
-`-Ofast -march=native` (gcc; this .venv's mpicc for the MPI ones) and run from the project's
-root, where they read data/names.txt. Each C program and the CLI runs of the same work (the same
-steps, N, batch, evaluation and samples: the CLI's defaults are the C program's) alternate,
-reps times; the table prints the medians and each CLI/C ratio, measured in the same run:
+DIR holds `train.c`, `train_dp.c`, `train_fsdp.c`, `train_tp.c` and `train_pp.c` with their
+`src/` (the llm_parallelisms.c programs that docs/seed_semantics.md describes; they are not part
+of this repository). Each is copied into build/c with its step count set to --steps (they
+hard-code 25,000), compiled with `-Ofast -march=native` (gcc; this .venv's mpicc for the MPI
+ones) and run from the project's root, where they read data/names.txt. Each C program and the
+CLI runs of the same work (the same steps, N, batch, evaluation and samples: the CLI's defaults
+are the C program's) alternate, reps times; the table prints the medians and each CLI/C ratio,
+measured in the same run:
 
     C train        vs  train --strategy single        N = 1
     C train_dp     vs  dp, zero1                       N = 2
     C train_fsdp   vs  zero2, zero3                    N = 2
+    C train_tp     vs  --tp 2                          N = 2
+    C train_pp     vs  --pp 3                          N = 3
 
 The C programs call MPI_Init (no threads: MPICH spins while it waits), so N stays at the cores
-here. A run that other processes slowed (more than a quarter of a core) is marked *. A figure
-to read, not a test.
+here, except for train_pp, which runs on 3 ranks only: on 2 cores its figure is oversubscribed
+for both programs alike (the 3-D program's 12 ranks are not timed here at all). A run that other
+processes slowed (more than a quarter of a core) is marked *. A figure to read, not a test.
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ from fsdp_lesson.launch import rank_env
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 BUILD = ROOT / "build" / "c"
-# C program -> (ranks, the strategies that do its work)
+# C program -> (ranks, the CLI runs that do its work, by label: their train flags)
 PAIRS = {
-    "train": (1, ["single"]),
-    "train_dp": (2, ["dp", "zero1"]),
-    "train_fsdp": (2, ["zero2", "zero3"]),
+    "train": (1, {"single": ["--strategy", "single"]}),
+    "train_dp": (2, {s: ["--strategy", s] for s in ("dp", "zero1")}),
+    "train_fsdp": (2, {s: ["--strategy", s] for s in ("zero2", "zero3")}),
+    "train_tp": (2, {"tp 2": ["--tp", "2"]}),
+    "train_pp": (3, {"pp 3": ["--pp", "3"]}),  # 3 ranks on 2 cores: see the note above
 }
 
 
@@ -67,16 +73,18 @@ def main() -> None:
     parser.add_argument("--sources", type=Path, required=True, help="the C programs' folder")
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--programs", nargs="+", choices=list(PAIRS), help="default: all")
     args = parser.parse_args()
     BUILD.mkdir(parents=True, exist_ok=True)
     env = rank_env()
     print(f"{args.steps} steps, median of {args.reps} alternating runs; load {os.getloadavg()}")
     print(f"{'run':28s} {'N':>2s} {'whole s':>8s}  {'x C':>5s}")
-    for program, (n, strategies) in PAIRS.items():
+    chosen = args.programs or list(PAIRS)
+    for program, (n, runs) in ((p, PAIRS[p]) for p in chosen):
         commands = {f"C {program}": launch(n, str(build(args.sources, program, args.steps)))}
-        for strategy in strategies:
-            train = ["-m", "fsdp_lesson", "train", "--strategy", strategy]
-            commands[strategy] = launch(n, sys.executable, *train, "--steps", str(args.steps))
+        for label, flags in runs.items():
+            train = ["-m", "fsdp_lesson", "train", *flags, "--steps", str(args.steps)]
+            commands[label] = launch(n, sys.executable, *train)
         seconds = {label: [] for label in commands}
         disturbed = set()
         for _ in range(args.reps):  # alternating, so that a slow spell hits every program
