@@ -123,6 +123,12 @@ def build_parser() -> Parser:
         help="measure memory, traffic and time: strategy x ranks x model (see bench --help)",
         add_help=False,
     )
+    commands.add_parser(
+        "plan",
+        help="predict a real model's memory, bubble and traffic on a (dp, tp, pp) mesh (see plan"
+        " --help)",
+        add_help=False,
+    )
     data = commands.add_parser(
         "data",
         help="build or check the names file",
@@ -368,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         from .hosts import main as hosts_main
 
         return hosts_main(argv[1:])
+    if argv[:1] == ["plan"]:  # the mesh planner has its own flags (fsdp_lesson.plan_cli)
+        from .plan_cli import main as plan_main
+
+        return plan_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.command == "data":

@@ -88,6 +88,10 @@ class Transformer:
 
 LLAMA_7B = Transformer("7B", layers=32, hidden=4096, heads=32)  # Ψ ≈ 6.7 B, Llama 2 7B's shape
 LLAMA_70B = Transformer("70B", layers=80, hidden=8192, heads=64)  # Ψ ≈ 65 B (no GQA)
+# Ψ ≈ 410 B, 1 % over Llama 3.1 405B's 405.9 B: no GQA (attention 4h², not 2.125h²) and an MLP
+# of 8h², not 3·h·53,248 = 9.75h²; the two errors nearly cancel, 12h² against 11.875h² a layer
+LLAMA_405B = Transformer("405B", layers=126, hidden=16384, heads=128, vocab=128_256)
+MODELS = {model.name: model for model in (LLAMA_7B, LLAMA_70B, LLAMA_405B)}
 
 
 def transformer_activation_bytes(
@@ -126,6 +130,157 @@ def gpu_bytes(
     item = bytes_per.params  # activations in the compute precision
     out["activations"] = transformer_activation_bytes(model, seq_len, micro_batch, recompute, item)
     return out
+
+
+# --- meshes: tensor and pipeline parallelism composed with ZeRO ----------------------------
+#
+# N = dp·tp·pp GPUs. Megatron's tensor parallelism (Shoeybi et al. 2019, arXiv 1909.08053)
+# cuts every layer's weights, and the vocab-parallel embeddings, across tp GPUs; pipeline
+# parallelism gives each of pp stages ceil(L/pp) consecutive layers; ZeRO's stage shards what
+# one GPU still holds across the dp GPUs that hold the same piece. Every figure is for a GPU of
+# the first pipeline stage, the worst: it has the most layers, the input embedding, and under
+# 1F1B the most micro-batches in flight. Predicted by formula, not measured.
+
+GPU_CAPACITY = 80 * 2**30  # an 80 GiB GPU
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def stage_layers(model: Transformer, pp: int) -> int:
+    """Layers of the first pipeline stage: ceil(L/pp), so the stages hold all L (126 over 16: 8)."""
+    return -(-model.layers // pp)
+
+
+def stage_params(model: Transformer, tp: int, pp: int) -> float:
+    """Parameters one GPU of the first stage holds before ZeRO shards them: its ceil(L/pp)
+    layers and the input embedding (with one stage, the output embedding too), all over tp."""
+    embeddings = (2 if pp == 1 else 1) * model.vocab * model.hidden
+    return (stage_layers(model, pp) * 12 * model.hidden**2 + embeddings) / tp
+
+
+def layer_activation_bytes(
+    model: Transformer, seq_len: int, micro_batch: int, tp: int, sequence_parallel: bool, item: int
+) -> int:
+    """One micro-batch's activations one GPU keeps for one layer: Korthikanti et al. (2022),
+    Table 2, in 16 bits (item = 2). With tp GPUs a layer keeps s·b·h·(10 + 24/t + 5·a·s/(h·t)):
+    the layer norms' and dropouts' 10·s·b·h stay whole on every GPU; sequence parallelism cuts
+    those along the sequence too, s·b·h/t·(34 + 5·a·s/h). At t = 1 both are s·b·h·(34 + 5·a·s/h).
+    """
+    s, b, h, a, t = seq_len, micro_batch, model.hidden, model.heads, tp
+    scores = 5 * a * s * s * b  # attention's s×s scores, softmax and dropout: cut by t
+    replicated = 34 * s * b * h if sequence_parallel else (10 * t + 24) * s * b * h
+    return (replicated + scores) * item // (2 * t)
+
+
+def pipeline_in_flight(pp: int, micro_batches: int, schedule: str) -> int:
+    """Micro-batches whose activations the first stage keeps at once: GPipe (Huang et al. 2019)
+    runs all m forwards before any backward, m; 1F1B (Narayanan et al. 2021, arXiv 2104.04473)
+    starts backward after p forwards, min(m, p). One stage is gradient accumulation: 1."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if pp == 1:
+        return 1
+    return micro_batches if schedule == "gpipe" else min(micro_batches, pp)
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The share of a step a pipeline's GPUs wait, (p−1)/(m+p−1) (GPipe, Huang et al. 2019,
+    arXiv 1811.06965): each GPU idles p−1 of a step's m+p−1 forward-and-backward slots, while
+    the pipe fills and drains.
+    (Narayanan et al. write (p−1)/m: the same idle time over the compute instead of the step.)"""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def mesh_gpu_bytes(
+    model: Transformer,
+    stage: str,
+    dp: int,
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    precision: str = "bf16",
+    seq_len: int = 4096,
+    micro_batch: int = 1,
+    micro_batches: int = 1,
+    schedule: str = "1f1b",
+    sequence_parallel: bool = False,
+    recompute: bool = False,
+) -> dict[str, float]:
+    """Bytes per GPU of the first pipeline stage on a (dp, tp, pp) mesh, Adam: gpu_bytes with
+    the stage's parameters over tp (`stage_params`) as ZeRO's Ψ over dp, zero3's two gathered
+    layers cut by tp, and activations for ceil(L/pp) layers times the micro-batches in flight.
+    With tp = pp = 1 it is gpu_bytes(model, stage, dp, ...)."""
+    bytes_per = precision_of(precision, "adam")
+    out = state_bytes(stage, stage_params(model, tp, pp), dp, bytes_per)
+    layer = 12 * model.hidden**2 / tp  # zero3's unit: one layer's share of this GPU
+    out["gathered"] = 2 * layer * bytes_per.params if stage == "zero3" else 0
+    item = bytes_per.params
+    full = layer_activation_bytes(model, seq_len, micro_batch, tp, sequence_parallel, item)
+    # recomputation keeps each layer's input, cut along the sequence with sequence parallelism,
+    # and one layer's full activations while backward recomputes it
+    kept = item * seq_len * micro_batch * model.hidden // (tp if sequence_parallel else 1)
+    layers = pipeline_in_flight(pp, micro_batches, schedule) * stage_layers(model, pp)
+    out["activations"] = layers * kept + full if recompute else layers * full
+    return out
+
+
+def mesh_traffic_bytes(
+    model: Transformer,
+    stage: str,
+    dp: int,
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    precision: str = "bf16",
+    seq_len: int = 4096,
+    micro_batch: int = 1,
+    micro_batches: int = 1,
+    recompute: bool = False,
+) -> dict[str, float]:
+    """Bytes one GPU sends per step along each dimension of the mesh (ring model, 16 bits):
+
+    dp: the ZeRO stage's `traffic_bytes` over the GPU's parameters (`stage_params`, ≈ Ψ/(tp·pp)),
+        once per step: the m micro-batches' gradients summed before the reduction.
+    tp: per layer and micro-batch, Megatron's 4 allreduces of s·b·h (2 forward, 2 backward;
+        recomputation runs forward's 2 again), each sending 2(t−1)/t of it. Sequence
+        parallelism turns each into an allgather and a reduce-scatter: the same bytes.
+    pp: per micro-batch, s·b·h activations forward over a stage boundary and their gradient
+        backward; a middle stage sends both, an end stage one (Megatron's scatter/gather
+        would send 1/t of it per GPU, Narayanan et al. 2021, section 4.1: not counted here).
+    """
+    item = precision_of(precision, "adam").params
+    message = item * seq_len * micro_batch * model.hidden  # one s·b·h activation
+    allreduces = 6 if recompute else 4
+    per_layer = allreduces * 2 * (tp - 1) / tp * message
+    return {
+        "dp": traffic_bytes(stage, stage_params(model, tp, pp), dp, item),
+        "tp": micro_batches * stage_layers(model, pp) * per_layer,
+        "pp": micro_batches * min(2, pp - 1) * message,
+    }
+
+
+def meshes(model: Transformer, gpus: int, max_tp: int = 8) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) of `gpus` GPUs worth planning: tp inside one 8-GPU server (its
+    allreduces run every layer) and dividing the heads, pp at most one layer per stage."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    return [
+        (gpus // (tp * pp), tp, pp)
+        for tp in divisors
+        if tp <= max_tp and model.heads % tp == 0
+        for pp in divisors
+        if (gpus // tp) % pp == 0 and pp <= model.layers
+    ]
+
+
+def fitting_meshes(
+    model: Transformer, gpus: int, stage: str = "zero1", *, capacity: float = GPU_CAPACITY, **levers
+) -> list[tuple[int, int, int]]:
+    """The meshes of `meshes` whose first-stage GPU needs at most `capacity` bytes; `levers`
+    are mesh_gpu_bytes' keywords (micro_batches, schedule, sequence_parallel, recompute, ...)."""
+    return [
+        mesh
+        for mesh in meshes(model, gpus)
+        if sum(mesh_gpu_bytes(model, stage, *mesh, **levers).values()) <= capacity
+    ]
 
 
 # --- predicting this package's ledger exactly ----------------------------------------------

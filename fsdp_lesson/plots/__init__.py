@@ -20,6 +20,7 @@ memory         memory_bars({"dp": [peak of rank 0, ...]}, ...)    per-rank bytes
                bytes_per_parameter({"fp32": plan.FP32_ADAM})      params, grads, optimizer per param
                lever_bars, activation_vs_batch                    the memory levers (07)
                memory_timeline, gathered_units                    live bytes over one step's events
+mesh           mesh_memory({"405B": 1024}, recompute=True)        the (dp, tp, pp) meshes that fit
 shards         shard_layout({"fc1": FlatParam, ...}), rank_shards each layer's flat vector by owner
 _style         formula_legend(fig), KB, the colours               what the pictures share
 """
@@ -50,6 +51,7 @@ from .memory import (
     memory_timeline,
     split_master,
 )
+from .mesh import MESH_COLORS, MESH_GPUS, MESH_PARTS, mesh_memory
 from .shards import PAD_COLOR, rank_shards, shard_layout
 from .timelines import COMPUTE, STAGES, TRACE_LANES, step_collectives, step_events, timeline
 from .training import loss_curves, loss_scale, precision_curves, running_mean
@@ -63,6 +65,9 @@ __all__ = [
     "LANE_COLORS",
     "LEVER_COLORS",
     "LEVER_PARTS",
+    "MESH_COLORS",
+    "MESH_GPUS",
+    "MESH_PARTS",
     "PAD_COLOR",
     "PAPER_FORMULA",
     "RANK_COLORS",
@@ -86,6 +91,7 @@ __all__ = [
     "loss_scale",
     "memory_bars",
     "memory_timeline",
+    "mesh_memory",
     "name_statistics",
     "precision_curves",
     "rank_shards",
