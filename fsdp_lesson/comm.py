@@ -61,7 +61,7 @@ class Traffic(Sent):
 
 
 class Comm(WatchedComm):
-    """allreduce_mean, allgather, reduce_scatter_mean, bcast and barrier: accounted, watched."""
+    """allreduce_mean/_sum, allgather, reduce_scatter_mean, bcast, barrier: accounted, watched."""
 
     def __init__(
         self, mpi_comm=None, collectives: str = "mpi", timeout: float = DEFAULT_TIMEOUT
@@ -124,6 +124,15 @@ class Comm(WatchedComm):
     def allreduce_mean(self, buf: np.ndarray, tag: str = "") -> np.ndarray:
         """buf <- the mean of buf over all ranks, in place; the same bits on every rank.
         `tag` (every collective's) names the call in a trace, e.g. the unit it moves."""
+        return self._allreduce(buf, tag, mean=True)
+
+    def allreduce_sum(self, buf: np.ndarray, tag: str = "") -> np.ndarray:
+        """buf <- the sum of buf over all ranks, in place; the same bits on every rank
+        (tensor parallelism's partial products, tensor.py)."""
+        return self._allreduce(buf, tag, mean=False)
+
+    def _allreduce(self, buf: np.ndarray, tag: str, mean: bool) -> np.ndarray:
+        """The sum over ranks in place, divided by N for a mean; counted as one allreduce."""
         if buf.size == 0:  # a layer without parameters moves nothing
             return buf
         start = perf_counter()
@@ -134,7 +143,8 @@ class Comm(WatchedComm):
                 self._blocking(
                     "allreduce", self.mpi.Allreduce, self.MPI.IN_PLACE, buf, op=self.MPI.SUM
                 )
-            self._divide(buf)
+            if mean:
+                self._divide(buf)
         self._account("allreduce", buf.nbytes, start, tag)
         return buf
 

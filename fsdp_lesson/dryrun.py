@@ -76,6 +76,10 @@ class DryComm(Comm):
         self._called("allreduce", buf, tag)
         return buf
 
+    def allreduce_sum(self, buf: np.ndarray, tag: str = "") -> np.ndarray:
+        self._called("allreduce", buf, tag)
+        return buf
+
     def allgather(self, shard: np.ndarray | None, full: np.ndarray, tag: str = "") -> np.ndarray:
         self._called("allgather", full, tag)
         return full
@@ -104,11 +108,18 @@ class DryComm(Comm):
 
 class DryLayer:
     """A layer's name and shapes, with a forward and backward that hand on placeholders of
-    the shapes the real ones return, and keep the same cache (the layer's input)."""
+    the shapes the real ones return, and keep the same cache (the layer's input). A split
+    layer (tensor.py) cuts a piece of its shapes from the whole, as the real one does."""
 
     def __init__(self, layer, log: EventLog | None) -> None:
         self.name, self.shapes, self.log = layer.name, layer.shapes, log
+        self.whole_shapes, self.split = layer.whole_shapes, layer.split
         self.embeds = isinstance(layer, Embedding)
+
+    def piece(self, whole: Params) -> Params:
+        if not self.split:
+            return whole
+        return {name: placeholder(shape) for name, shape in self.shapes.items()}
 
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.log is not None and self.shapes:
@@ -146,9 +157,9 @@ class DryModel:
         self.loss = DryLoss()
 
     def init_layers(self, rng=None):
-        """Each layer's initial parameters, as placeholders: one layer at a time, as MLP's."""
+        """Each whole layer's initial parameters, as placeholders: one at a time, as MLP's."""
         for layer in self.layers:
-            yield layer, {name: placeholder(shape) for name, shape in layer.shapes.items()}
+            yield layer, {name: placeholder(shape) for name, shape in layer.whole_shapes.items()}
 
 
 class DryOptimizer:
@@ -174,14 +185,18 @@ def dry_run(
     accum: int = 1,
     recompute: bool = False,
     log: EventLog | None = None,
+    tp: int = 1,
     **options,
 ) -> MemoryLedger:
     """Rank 0's ledger after `strategy` (with its own and the memory options) initialised the
     model and took one step of `accum` micro-batches of `micro_batch` rows, on N ranks; the
-    step's events in `log`, if given."""
+    step's events in `log`, if given. With tp = T, the model is tensor-parallel over T more
+    ranks (tensor.py) and `strategy` runs over the N data-parallel ones: every rank's pieces
+    have the same shapes (padded), so rank 0's ledger is every rank's."""
     replicate = options.get("replicate", 1)
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
-    ledger, model = MemoryLedger(dry=True), DryModel(MLP(model_config), log)
+    whole = MLP(model_config, DryComm(tp) if tp > 1 else None)
+    ledger, model = MemoryLedger(dry=True), DryModel(whole, log)
     accum = min(accum, MICRO_BATCHES_THAT_DIFFER)
     built = make_strategy(
         strategy, model, DryOptimizer(optimizer, log), comm, ledger, accum=accum, **options

@@ -5,6 +5,10 @@ Every layer has the same two methods:
     backward(p, cache, dout, g)   -> dx        (writes the layer's gradients into g)
 p and g are dicts of arrays with the shapes in `layer.shapes`. A layer owns no parameters:
 whoever calls it decides where p and g live, which is exactly what the strategies change.
+
+Under tensor parallelism (tensor.py, `MLP(config, tp)`) a layer may compute with a piece of a
+whole layer: its `shapes` are the piece's, `whole_shapes` the whole's, `piece` cuts its piece
+from the whole and `whole` gathers the pieces again. Every other layer is its own whole.
 """
 
 from __future__ import annotations
@@ -13,18 +17,37 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .comm import Comm
 from .config import ModelConfig
 from .rng import Rng
 
 Params = dict[str, np.ndarray]  # one layer's parameters (or gradients) by name
 
 
-class Embedding:
+class Layer:
+    """What every layer answers besides forward and backward: its parameters' shapes, and, for
+    tensor parallelism, how its piece relates to the whole layer (here: it is the whole)."""
+
+    name: str
+    shapes: dict[str, tuple[int, ...]]  # this rank's parameters
+    whole_shapes: dict[str, tuple[int, ...]]  # the layer's, as single-rank training has it
+    split = False  # True: this rank holds a piece of the layer (tensor.py)
+
+    def piece(self, whole: Params) -> Params:
+        """This rank's parameters, cut from the whole layer's."""
+        return whole
+
+    def whole(self, p: Params) -> Params:
+        """The whole layer's parameters from this rank's (a collective for a split layer)."""
+        return p
+
+
+class Embedding(Layer):
     """Token ids -> vectors, flattened: (B, S) -> (B, S*E)."""
 
     def __init__(self, name: str, vocab_size: int, emb_size: int) -> None:
         self.name, self.emb_size = name, emb_size
-        self.shapes = {"W": (vocab_size, emb_size)}
+        self.shapes = self.whole_shapes = {"W": (vocab_size, emb_size)}
         self.init_scale = 1.0 / emb_size  # the C program's he_init(k) with k = 1/emb_size
 
     def forward(self, p: Params, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,12 +63,12 @@ class Embedding:
         return None  # tokens have no gradient
 
 
-class Linear:
+class Linear(Layer):
     """y = x @ W + b with W stored (in, out), row-major, as in the C program."""
 
     def __init__(self, name: str, in_features: int, out_features: int) -> None:
         self.name = name
-        self.shapes = {"W": (in_features, out_features), "b": (out_features,)}
+        self.shapes = self.whole_shapes = {"W": (in_features, out_features), "b": (out_features,)}
         self.init_scale = 1.0 / in_features  # the C program: k = 1/in (not its square root)
 
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -59,11 +82,12 @@ class Linear:
         return dout @ p["W"].T  # (B, out) @ (out, in) -> (B, in)
 
 
-class ReLU:
+class ReLU(Layer):
     """max(x, 0); no parameters. It keeps its input for backward (its output is the next cache)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.shapes, self.init_scale = name, {}, 0.0
+        self.name, self.init_scale = name, 0.0
+        self.shapes = self.whole_shapes = {}
 
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.maximum(x, 0), x
@@ -101,18 +125,27 @@ class SoftmaxCrossEntropy:
 
 
 class MLP:
-    """embedding -> fc1, ReLU -> (layers - 1) x (Linear, ReLU) -> output Linear."""
+    """embedding -> fc1, ReLU -> (layers - 1) x (Linear, ReLU) -> output Linear.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With `tp` (a Comm of T > 1 ranks) the Linears pair up as Megatron's column- and
+    row-parallel layers (tensor.py); c_compat then reduces as the C program does.
+    """
+
+    def __init__(self, config: ModelConfig, tp: Comm | None = None, c_compat: bool = False) -> None:
         config.validate()
         c = config
         self.config = c
-        self.layers = [Embedding("emb", c.vocab_size, c.emb)]
-        in_features = c.seq_len * c.emb
-        for i in range(1, c.layers + 1):
-            self.layers += [Linear(f"fc{i}", in_features, c.hidden), ReLU(f"relu{i}")]
-            in_features = c.hidden
-        self.layers.append(Linear(f"fc{c.layers + 1}", c.hidden, c.vocab_size))
+        self.layers: list[Layer] = [Embedding("emb", c.vocab_size, c.emb)]
+        widths = [c.seq_len * c.emb] + [c.hidden] * c.layers + [c.vocab_size]
+        for i in range(1, c.layers + 2):
+            if tp is None or tp.size == 1:
+                self.layers.append(Linear(f"fc{i}", widths[i - 1], widths[i]))
+            else:  # tensor.py's layers are Linears: imported once model.py has defined them
+                from .tensor import megatron_linear
+
+                self.layers.append(megatron_linear(i, widths, tp, c_compat))
+            if i <= c.layers:
+                self.layers.append(ReLU(f"relu{i}"))
         self.loss = SoftmaxCrossEntropy()
         # the segments --recompute checkpoints: a layer with parameters and the ReLU after it
         self.blocks: list[list] = []
@@ -124,10 +157,12 @@ class MLP:
 
     @property
     def num_params(self) -> int:
-        return sum(int(np.prod(s)) for layer in self.layers for s in layer.shapes.values())
+        """The whole model's parameters (under tensor parallelism too)."""
+        return sum(int(np.prod(s)) for layer in self.layers for s in layer.whole_shapes.values())
 
-    def init_layers(self, rng: Rng, dtype=np.float32) -> Iterator[tuple[object, Params]]:
-        """Each layer's initial parameters in turn, in the C program's order: one layer at a time.
+    def init_layers(self, rng: Rng, dtype=np.float32) -> Iterator[tuple[Layer, Params]]:
+        """Each whole layer's initial parameters in turn, in the C program's order: one layer at
+        a time (a split layer's piece is `layer.piece` of them).
 
         Uniform in [-k, k] as the C program's he_init(k) = 2k*u - k. A caller that keeps only a
         shard of each layer still draws every layer, so the random stream is the same at any N.
@@ -135,7 +170,7 @@ class MLP:
         for layer in self.layers:
             k = np.float32(layer.init_scale)
             params = {}
-            for name, shape in layer.shapes.items():
+            for name, shape in layer.whole_shapes.items():
                 u = rng.uniform(int(np.prod(shape))).reshape(shape)  # float32 in [0, 1]
                 u *= np.float32(2) * k  # in place: the layer's values are its only copy
                 u -= k
@@ -143,7 +178,8 @@ class MLP:
             yield layer, params
 
     def init_params(self, rng: Rng, dtype=np.float32) -> dict[str, Params]:
-        """Every layer's initial parameters at once (the reference; strategies use init_layers)."""
+        """Every whole layer's initial parameters at once (the reference; strategies use
+        init_layers)."""
         return {layer.name: params for layer, params in self.init_layers(rng, dtype)}
 
 

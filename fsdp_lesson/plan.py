@@ -320,11 +320,13 @@ def ledger_bytes(
     accum: int = 1,
     accum_reduce: str = "every",
     recompute: bool = False,
+    tp: int = 1,
     **options,
 ) -> dict:
     """What MemoryLedger's peaks per category will be for this run, to the byte: the
     strategy's own code initialises the model and takes one step on placeholders (dryrun.py),
-    so the prediction comes from the lines that allocate.
+    so the prediction comes from the lines that allocate. N is the ranks the strategy runs
+    over; with tp = T the model's pieces are those of T tensor-parallel ranks (tensor.py).
 
     The keyword arguments are the memory levers and the strategies' own options (zero3's
     layers_per_unit, prefetch, ...; TrainConfig's fields of the same names); the defaults
@@ -346,6 +348,7 @@ def ledger_bytes(
         accum=accum,
         accum_reduce=accum_reduce,
         recompute=recompute,
+        tp=tp,
         **{k: v for k, v in options.items() if k in STRATEGY_CLASSES[strategy].options},
     )
     return dict(ledger.peak)

@@ -30,6 +30,7 @@ from .data import (
     rank_slice,
 )
 from .memory import Activations, MemoryBudgetError, MemoryLedger
+from .mesh import Mesh
 from .model import MLP, softmax
 from .optim import make_optimizer
 from .rng import Rng, make_rng
@@ -129,7 +130,9 @@ def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) 
     """Generate one name as the C program does: the tokens drawn, ending with 0 (unless cut off).
 
     Every rank runs the forward (zero3 needs all ranks to gather) and draws u, keeping the
-    random streams aligned; rank 0's choice is broadcast so ranks can never disagree.
+    random streams aligned; rank 0's choice is broadcast so ranks can never disagree. (The
+    tensor-parallel ranks of one group hold the same logits bit for bit, g's allreduce gives
+    every rank the same sum, so they draw the same token.)
     """
     context = np.zeros((1, model.config.seq_len), dtype=np.uint8)
     token = np.zeros(1, dtype=np.int32)
@@ -235,16 +238,29 @@ class Diverged(ArithmeticError):
 
 
 def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
-    """Bytes per rank that training allocates: plan.ledger_bytes (exact, as the tests check),
+    """Bytes per rank that training allocates on n ranks: plan.ledger_bytes for the strategy
+    over the data-parallel ranks (exact, as the tests check; with --tp, on this rank's pieces),
     the step history, and a step's batch (step_batch_bytes)."""
     from . import plan
 
     options = memory_options(tc) | strategy_options(strategy, tc)
-    micro_batch = tc.batch // n
+    dp = data_parallel_size(tc, n)
     ledger = plan.ledger_bytes(
-        strategy, model_config, n, tc.optimizer, micro_batch, recompute=tc.recompute, **options
+        strategy,
+        model_config,
+        dp,
+        tc.optimizer,
+        tc.batch // dp,
+        recompute=tc.recompute,
+        tp=tc.tp,
+        **options,
     )
     return sum(ledger.values()) + 3 * 8 * tc.steps + step_batch_bytes(model_config, tc, n)
+
+
+def data_parallel_size(tc: TrainConfig, n: int) -> int:
+    """The ranks --strategy runs over and the batch is split among: N / (T * P) (mesh.py)."""
+    return n // (tc.tp * tc.pp)
 
 
 # What train_step's np.split and its list of losses keep per micro-batch: two array views and
@@ -253,10 +269,11 @@ MICRO_BATCH_BYTES = 320
 
 
 def step_batch_bytes(model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
-    """A step's batch on one rank: the index of every row of the global batch (--batch rows
-    times --accum), this rank's rows of tokens, and the --accum micro-batches cut from them."""
-    rows = tc.batch * tc.accum
-    return batch_bytes(rows, n, model_config.seq_len, tc.c_compat) + MICRO_BATCH_BYTES * tc.accum
+    """A step's batch on one of n ranks: the index of every row of the global batch (--batch
+    rows times --accum), this rank's rows of tokens (of the data-parallel ranks' share), and
+    the --accum micro-batches cut from them."""
+    rows, dp = tc.batch * tc.accum, data_parallel_size(tc, n)
+    return batch_bytes(rows, dp, model_config.seq_len, tc.c_compat) + MICRO_BATCH_BYTES * tc.accum
 
 
 def memory_options(tc: TrainConfig) -> dict:
@@ -369,8 +386,10 @@ def run(
     settings = comm.allgather_objects((asdict(model_config), tc.to_dict()))
     if any(other != settings[0] for other in settings):  # every rank sees the same list
         raise ConfigError("the ranks were started with different settings: give all the same flags")
+    # tensor parallelism splits the model over mesh.tp; the strategy runs over mesh.dp
+    mesh = Mesh.of(comm, tc.tp, tc.pp)
     rng = make_rng(tc.seed, tc.c_compat)
-    model = MLP(model_config)
+    model = MLP(model_config, mesh.tp, tc.c_compat)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
     optimizer = make_optimizer(tc.optimizer, tc.lr)
@@ -381,13 +400,14 @@ def run(
     options["clip_grad_norm"] = tc.clip_grad_norm  # allocates nothing: not the planner's
     strategy = raise_on_every_rank(
         comm,
-        lambda: make_strategy(tc.strategy, model, optimizer, comm, ledger, **options),
+        lambda: make_strategy(tc.strategy, model, optimizer, mesh.dp, ledger, **options),
         REFUSALS,
     )
     # layer by layer, each rank only what it holds
     raise_on_every_rank(comm, lambda: strategy.init_params(rng), REFUSALS)
     first_step = 0 if rc.resume is None else resume(rc, strategy, rng, history)
     train_loop(model, strategy, data, rng, history, first_step, tc, rc, on_log)
+    history.traffic = comm.traffic_report()  # every dimension's: "allreduce (tp)", ...
     finish(model, strategy, data, rng, history, tc, rc)
     return history, strategy
 
@@ -411,8 +431,29 @@ def prepare(
             "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
             "replica group would save its copy; save or resume without --replicate"
         )
+    check_mesh(tc, rc)
     check_memory(model_config, tc, comm, None if data else rc.data or DEFAULT_PATH)
     return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
+
+
+def check_mesh(tc: TrainConfig, rc: RunConfig) -> None:
+    """Refuse what the mesh does not do yet: pipelines, and with --tp checkpoints and
+    clipping (both would need every tensor-parallel piece, not this rank's)."""
+    if tc.pp > 1:
+        raise ConfigError(
+            f"--pp {tc.pp}: pipeline parallelism is not wired into training yet; run without --pp"
+        )
+    if tc.tp > 1 and (rc.save_every or rc.resume):
+        raise ConfigError(
+            "checkpoints of tensor parallelism (--tp) are not supported yet: each rank holds"
+            " a piece of the split layers, which the checkpoint layout does not record; save or"
+            " resume without --tp"
+        )
+    if tc.tp > 1 and tc.clip_grad_norm is not None:
+        raise ConfigError(
+            "--clip-grad-norm with --tp is not supported yet: the norm would count only this"
+            " rank's pieces of the split layers; clip without --tp, or train without clipping"
+        )
 
 
 def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int:
@@ -510,8 +551,7 @@ def finish(
     tc: TrainConfig,
     rc: RunConfig,
 ) -> None:
-    """After the last step: traffic, validation loss, samples, memory, the replicas' check."""
-    history.traffic = strategy.comm.traffic_report()
+    """After the last step: validation loss, samples, memory, the replicas' check."""
     if tc.eval_batches:
         history.val_loss = evaluate(model, strategy, data, rng, tc.batch, tc.eval_batches)
     for _ in range(tc.samples):

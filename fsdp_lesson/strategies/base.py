@@ -32,6 +32,12 @@ from ..rng import Rng
 from ..sharding import ZERO_STAGE, is_sharded
 
 
+def drawn_bytes(layer, whole: Params, piece: Params) -> int:
+    """A layer's initial values, and the piece a split layer (tensor.py) copies from them."""
+    copied = sum(a.nbytes for a in piece.values()) if layer.split else 0
+    return sum(a.nbytes for a in whole.values()) + copied
+
+
 @dataclass(frozen=True)
 class StateArray:
     """One array of a strategy's state, and how it lies in the layer's flat vector."""
@@ -138,20 +144,20 @@ class Strategy:
 
     def init_params(self, rng: Rng) -> None:
         """Initialise the parameters one layer at a time, keeping only what this rank holds.
-        Every rank draws every layer (the same random stream at any N), one layer's values at
-        a time, counted as a buffer: no rank builds the whole model (FSDP1's `param_init_fn`,
-        DeepSpeed's `zero.Init`; FSDP2 initialises its shards after `to_empty`)."""
-        for layer, arrays in self.model.init_layers(rng):
-            label = f"init {layer.name}"
-            self.ledger.hold("buffers", label, sum(a.nbytes for a in arrays.values()))
-            self.keep_initial(layer.name, arrays)
+        Every rank draws every whole layer (the same random stream at any N), one at a time,
+        counted as a buffer with the piece a split layer cuts from it: no rank builds the whole
+        model (FSDP1's `param_init_fn`, DeepSpeed's `zero.Init`; FSDP2: after `to_empty`)."""
+        for layer, whole in self.model.init_layers(rng):
+            label, piece = f"init {layer.name}", layer.piece(whole)  # tensor.py: a copy
+            self.ledger.hold("buffers", label, drawn_bytes(layer, whole, piece))
+            self.keep_initial(layer.name, piece)
             self.ledger.free(label)
-            del arrays  # before the next layer is drawn: one layer at a time
+            del whole, piece  # before the next layer is drawn: one layer at a time
 
     def load_params(self, params: dict[str, Params]) -> None:
-        """Set the parameters from every layer's shaped arrays (a model built whole, by hand)."""
+        """Set the parameters from every whole layer's shaped arrays (a model built by hand)."""
         for layer in self.model.layers:
-            self.keep_initial(layer.name, params[layer.name])
+            self.keep_initial(layer.name, layer.piece(params[layer.name]))
 
     def held_as(self, layer: str, arrays: Params) -> tuple[str, Params]:
         """The layout entry that holds a layer's parameters, and the arrays keyed as its
@@ -206,13 +212,13 @@ class Strategy:
         raise NotImplementedError
 
     def full_params(self, root: int | None = None) -> dict[str, Params]:
-        """Every layer's parameters as shaped copies, identical on all ranks (a collective),
-        gathered one layer at a time. With `root`, only that rank keeps them (the others get
-        {}): a model that fits only sharded is written out without a copy on every rank."""
+        """Every whole layer's parameters as shaped copies, identical on all ranks (a collective,
+        over tp too: `layer.whole`), one layer at a time. With `root`, only that rank keeps them
+        (the others get {}): a model that fits only sharded is written out without a copy."""
         out = {}
         self.begin_phase("forward")
         for layer in self.model.layers:
-            views = self.materialize(layer)
+            views = layer.whole(self.materialize(layer))
             if root is None or self.comm.rank == root:
                 out[layer.name] = {k: v.copy() for k, v in views.items()}
             self.release(layer)

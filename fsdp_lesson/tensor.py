@@ -1,0 +1,146 @@
+"""Tensor parallelism (Megatron-LM): T ranks split each pair of Linears; none holds either whole.
+
+    ColumnParallelLinear  keeps W[:, cols], b[cols]   y_r = x @ W_r + b_r     (B, in) -> (B, H/T)
+    RowParallelLinear     keeps W[rows, :], b whole   y = sum_r x_r @ W_r + b (B, H/T) -> (B, out)
+
+A column layer, the ReLU (which works element by element, so on each rank's columns alone)
+and a row layer make one block with one allreduce in forward and one in backward, the two
+operators of Megatron's paper:
+
+    f  in front of the column layer: forward the identity (every rank has all of x); backward
+       an allreduce-sum, since each rank's dx = dy_r @ W_r.T covers only its columns
+    g  behind the row layer: forward an allreduce-sum, since each rank's x_r @ W_r covers only
+       its rows; backward the identity (every rank has all of dy)
+
+Each layer's `shapes` are this rank's piece, so every --strategy (dp, zero1-3 over the mesh's
+data-parallel ranks) allocates, shards and reduces the pieces as it would whole layers.
+
+A width H that T does not divide is padded to T * ceil(H/T) with zero columns of the column
+layer (weights and bias) and zero rows of the row layer. They stay exactly zero: a padded
+column's output is x @ 0 + 0 = 0, so its gradients are x.T @ dy_pad and sum(dy_pad) where
+dy_pad = (dx_row @ 0) * relu'(0) = 0; a padded row multiplies that zero column, so its gradient
+is 0.T @ dy = 0. Zero gradients leave SGD's p - lr * 0 and Adam's m, v and update at zero.
+
+--c-compat reduces as the C program does (docs/seed_semantics.md, "The TP program"): g is a
+mean taken after each rank added the whole bias, and f's backward a mean.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .comm import Comm
+from .model import Linear, Params
+
+
+def megatron_linear(i: int, widths: list[int], tp: Comm, c_compat: bool = False) -> Linear:
+    """The model's i-th Linear (fc{i}, from widths[i-1] to widths[i]) as Megatron pairs them:
+    fc1 column, fc2 row, fc3 column, ...; an odd last one (the output layer) stays whole."""
+    name, n_in, n_out = f"fc{i}", widths[i - 1], widths[i]
+    if i % 2 == 0:
+        return RowParallelLinear(name, n_in, n_out, tp, c_compat)
+    if i == len(widths) - 1:  # nothing to pair it with: replicated, as the embedding is
+        return Linear(name, n_in, n_out)
+    return ColumnParallelLinear(name, n_in, n_out, tp, c_compat)
+
+
+def piece_range(width: int, tp: Comm) -> tuple[int, int, int]:
+    """(start, stop, piece width): this rank's part of [0, width) padded to a multiple of T."""
+    piece = -(-width // tp.size)
+    start = min(tp.rank * piece, width)
+    return start, min(start + piece, width), piece
+
+
+def f_backward(dx: np.ndarray, tp: Comm, c_compat: bool, tag: str) -> np.ndarray:
+    """f's backward: the partial dx of every rank's columns summed (C: their mean), in place."""
+    flat = dx.reshape(-1)  # a view: the ring cuts a 1-D buffer into T chunks
+    if c_compat:
+        tp.allreduce_mean(flat, tag)
+    else:
+        tp.allreduce_sum(flat, tag)
+    return dx
+
+
+def g_forward(partial: np.ndarray, b: np.ndarray, tp: Comm, c_compat: bool, tag: str):
+    """g's forward: every rank's partial product summed, then the bias added once, in place.
+    The C program adds the whole bias on every rank and takes the mean: sum / T + b."""
+    flat = partial.reshape(-1)  # a view: the ring cuts a 1-D buffer into T chunks
+    if c_compat:
+        partial += b
+        tp.allreduce_mean(flat, tag)
+    else:
+        tp.allreduce_sum(flat, tag)
+        partial += b
+    return partial
+
+
+def gather_pieces(piece: np.ndarray, tp: Comm) -> np.ndarray:
+    """Every rank's piece, flat and in rank order (an allgather over tp: T * piece.size)."""
+    whole = np.empty(tp.size * piece.size, piece.dtype)
+    return tp.allgather(np.ascontiguousarray(piece).reshape(-1), whole)
+
+
+class ColumnParallelLinear(Linear):
+    """This rank's columns of a Linear: W (in, H/T), b (H/T,); its output is this rank's
+    columns of y, and its input's gradient the sum over ranks (f)."""
+
+    split = True
+
+    def __init__(self, name: str, n_in: int, n_out: int, tp: Comm, c_compat: bool = False):
+        super().__init__(name, n_in, n_out)  # the whole layer: whole_shapes and init_scale
+        self.tp, self.c_compat = tp, c_compat
+        self.start, self.stop, width = piece_range(n_out, tp)
+        self.shapes = {"W": (n_in, width), "b": (width,)}
+
+    def piece(self, whole: Params) -> Params:
+        """Columns start:stop of W and b, zero-padded to H/T (a new array each)."""
+        dtype = whole["W"].dtype
+        W, b = np.zeros(self.shapes["W"], dtype), np.zeros(self.shapes["b"], dtype)
+        W[:, : self.stop - self.start] = whole["W"][:, self.start : self.stop]
+        b[: self.stop - self.start] = whole["b"][self.start : self.stop]
+        return {"W": W, "b": b}
+
+    def whole(self, p: Params) -> Params:
+        """Every rank's columns side by side (an allgather over tp), the padding cut off."""
+        (n_in, width), n_out, T = self.shapes["W"], self.whole_shapes["b"][0], self.tp.size
+        W, b = gather_pieces(p["W"], self.tp), gather_pieces(p["b"], self.tp)
+        # (T, in, H/T) -> (in, T, H/T) -> (in, T * H/T): rank r's columns at r * H/T
+        W = W.reshape(T, n_in, width).transpose(1, 0, 2).reshape(n_in, T * width)
+        return {"W": W[:, :n_out], "b": b[:n_out]}
+
+    def backward(self, p: Params, x: np.ndarray, dout: np.ndarray, g: Params) -> np.ndarray:
+        # dW (in, B) @ (B, H/T), db, and dx (B, H/T) @ (H/T, in) -> (B, in): these columns' share
+        dx = super().backward(p, x, dout, g)
+        return f_backward(dx, self.tp, self.c_compat, self.name)
+
+
+class RowParallelLinear(Linear):
+    """This rank's rows of a Linear: W (H/T, out), and the whole bias b (out,); its input is
+    this rank's columns of x, its output the sum over ranks (g) plus b, on every rank."""
+
+    split = True
+
+    def __init__(self, name: str, n_in: int, n_out: int, tp: Comm, c_compat: bool = False):
+        super().__init__(name, n_in, n_out)  # the whole layer: whole_shapes and init_scale
+        self.tp, self.c_compat = tp, c_compat
+        self.start, self.stop, width = piece_range(n_in, tp)
+        self.shapes = {"W": (width, n_out), "b": (n_out,)}
+
+    def piece(self, whole: Params) -> Params:
+        """Rows start:stop of W, zero-padded to H/T, and a copy of the whole bias."""
+        W = np.zeros(self.shapes["W"], whole["W"].dtype)
+        W[: self.stop - self.start] = whole["W"][self.start : self.stop]
+        return {"W": W, "b": whole["b"].copy()}
+
+    def whole(self, p: Params) -> Params:
+        """Every rank's rows stacked (an allgather over tp), the padding cut off; b as it is."""
+        (width, n_out), n_in = self.shapes["W"], self.whole_shapes["W"][0]
+        W = gather_pieces(p["W"], self.tp).reshape(self.tp.size * width, n_out)
+        return {"W": W[:n_in], "b": p["b"]}
+
+    def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        partial = x @ p["W"]  # (B, H/T) @ (H/T, out) -> (B, out): these rows' share of y
+        return g_forward(partial, p["b"], self.tp, self.c_compat, self.name), x
+
+    # backward is Linear's (g's backward is the identity): dW = x_r.T @ dy (H/T, out),
+    # db = sum(dy) (the same on every rank, so b stays replicated), dx_r = dy @ W_r.T (B, H/T)
