@@ -18,10 +18,15 @@ MPI has no sum for bfloat16, so their reductions always run ring.py's algorithm 
 doing the adds (in mpi mode too, counted as before); allgathers and broadcasts only copy, so the
 library moves their uint16 bits.
 
+Point-to-point `send` and `recv` (a pipeline's activations and gradients, pipeline.py) are the
+library's Isend and Recv in both modes; what a send hands to MPI is recorded as it is sent (kind
+"send": one message, its buffer's bytes), so their numbers are measured in either mode.
+
 A Comm built without an MPI communicator is one rank and needs no MPI at all.
 
 No collective waits forever (`timeout`, the CLI's --timeout): a Comm is a WatchedComm, and past
-the timeout the watchdog ends every rank with one line saying who has not arrived (watchdog.py).
+the timeout the watchdog ends every rank with one line saying who has not arrived (watchdog.py);
+a send's or recv's line names the one peer it waits for.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from time import monotonic, perf_counter
 
 import numpy as np
 
-from .ring import KINDS, Ring, Sent, on_wire
+from .ring import KINDS, POINT_TO_POINT, Ring, Sent, on_wire
 from .watchdog import BARRIER_AT_EXIT, DEFAULT_TIMEOUT, WATCHDOG, WatchedComm
 
 COLLECTIVES = ("mpi", "ring")
+P2P_TAG = 14  # point-to-point messages' tag: none matches a receive of the ring's (ring.TAG)
 # messages and bytes a rank sends per call in the ring model, in units of (N-1) and (N-1)/N * F
 RING_FACTOR = {"allreduce": 2, "allgather": 1, "reduce_scatter": 1, "bcast": 1}
 
@@ -77,6 +83,9 @@ class Comm(WatchedComm):
         # ring model, every byte this rank sends on this communicator crosses the network
         self.sends_between_hosts = n > 1 and (self.rank + 1) % n not in self.arrivals.here
         self.between_hosts = dict.fromkeys(self.traffic, self.sends_between_hosts)
+        # a send goes to a pipeline neighbour (rank - 1 or rank + 1): elsewhere if either is
+        neighbours = {self.rank - 1, self.rank + 1} & set(range(n))
+        self.between_hosts["send"] = any(r not in self.arrivals.here for r in neighbours)
         # ring mode: the ring adds what it sends straight into the Traffic records
         self.ring = Ring(mpi_comm, sent=self.traffic) if collectives == "ring" else None
         # mpi mode's 16-bit reductions: the ring summing in numpy (its own sends not recorded:
@@ -222,12 +231,44 @@ class Comm(WatchedComm):
 
     def traffic_report(self) -> dict[str, dict]:
         """Per kind: calls, buffer_bytes, sent_bytes, messages, seconds, and how the bytes and
-        messages were obtained: "measured" (ring mode) or "counted" (the ring model, mpi mode)."""
-        how = "measured" if self.ring is not None else "counted"
-        return {
-            kind: asdict(t) | {"how": how, "between_hosts": self.between_hosts[kind]}
-            for kind, t in self.traffic.items()
-        }
+        messages were obtained: "measured" (ring mode) or "counted" (the ring model, mpi mode).
+        Sends are always "measured", and listed only once some were made."""
+        report = {}
+        for kind, t in self.traffic.items():
+            point_to_point = kind.split(" (")[0] in POINT_TO_POINT
+            if point_to_point and not t.calls:
+                continue
+            how = "measured" if self.ring is not None or point_to_point else "counted"
+            report[kind] = asdict(t) | {"how": how, "between_hosts": self.between_hosts[kind]}
+        return report
+
+    # --- point-to-point: a pipeline's activations and gradients (pipeline.py) ---------------
+
+    def send(self, buf: np.ndarray, to: int, tag: str = "") -> Sending:
+        """Start sending buf to rank `to` (MPI_Isend); buf must not change until the returned
+        Sending's wait(). Recorded at once under "send", alike in mpi and ring mode: one
+        message of buf.nbytes. It does not wait for the receiver, so two neighbours may both
+        send and then receive (blocking sends would wait for each other's receive forever
+        once a message is too large for MPI to buffer)."""
+        if self.mpi is None:
+            raise ValueError("a one-rank Comm has no other rank to send to: send over P > 1 ranks")
+        start = perf_counter()
+        t = self.traffic["send"]
+        t.calls, t.messages = t.calls + 1, t.messages + 1
+        t.buffer_bytes, t.sent_bytes = t.buffer_bytes + buf.nbytes, t.sent_bytes + buf.nbytes
+        request = self.mpi.Isend(on_wire(buf), to, P2P_TAG)
+        t.seconds += perf_counter() - start
+        return Sending(self, request, to, buf, tag, start)
+
+    def recv(self, buf: np.ndarray, source: int, tag: str = "") -> np.ndarray:
+        """buf <- what rank `source` sent (MPI_Recv), in place. Watched: past the timeout the
+        watchdog ends the job, naming `source` and what it is doing."""
+        if self.mpi is None:
+            raise ValueError("a one-rank Comm has no other rank to receive from")
+        start = perf_counter()
+        self._watched_p2p("recv", source, self.mpi.Recv, on_wire(buf), source, P2P_TAG)
+        self.trace.record("comm", f"recv {tag}" if tag else "recv", start)
+        return buf
 
     # --- non-blocking collectives and sub-communicators (dp's and zero3's overlap, HSDP) ---
 
@@ -265,7 +306,7 @@ class Comm(WatchedComm):
         child.name, child.trace = name, self.trace
         for kind, traffic in child.traffic.items():
             self.traffic[f"{kind} ({name})"] = traffic  # the same object: one count, two views
-            self.between_hosts[f"{kind} ({name})"] = child.sends_between_hosts
+            self.between_hosts[f"{kind} ({name})"] = child.between_hosts[kind]
         return child
 
 
@@ -339,6 +380,24 @@ class Request:
             self.comm._divide(self.mean_into)
         self.comm._account(self.kind, self.nbytes, start, self.tag, self.issued)
         self.completed = perf_counter()
+
+
+class Sending:
+    """A send in flight (Comm.send): wait() returns once MPI is done with the buffer. Watched
+    as a recv is: past the Comm's timeout the watchdog names the rank that has not received."""
+
+    def __init__(self, comm: Comm, request, to: int, buf: np.ndarray, tag: str, issued: float):
+        self.comm, self.request, self.to, self.tag, self.issued = comm, request, to, tag, issued
+        self.buf = buf  # kept alive until MPI is done with it
+
+    def wait(self) -> None:
+        if self.request is None:
+            return
+        start = perf_counter()
+        self.comm._watched_p2p("send", self.to, self.request.Wait)
+        self.request = self.buf = None
+        self.comm.traffic["send"].seconds += perf_counter() - start
+        self.comm.trace.record("comm", f"send {self.tag}" if self.tag else "send", self.issued)
 
 
 # --- the library's own calls on small things, not counted: flags, digests, objects, hosts ---

@@ -91,12 +91,14 @@ class Activations:
     freed, because until a layer's backward returns all three are alive.
     """
 
-    def __init__(self, ledger: MemoryLedger) -> None:
+    def __init__(self, ledger: MemoryLedger, prefix: str = "") -> None:
         self.ledger = ledger
+        self.prefix = prefix  # before every label: "m2 " when micro-batches overlap (pipeline.py)
         self.caches: list[tuple[str, object]] = []
         self.dying: list[str] = []  # labels to free at the next gradient
 
     def push(self, label: str, cache) -> None:
+        label = self.prefix + label
         self.ledger.hold("activations", label, cache.nbytes)
         self.caches.append((label, cache))
 
@@ -116,6 +118,7 @@ class Activations:
 
     def gradient(self, label: str, dx: np.ndarray | None) -> np.ndarray | None:
         """dx now exists (None: the embedding passes no gradient on); free what it replaces."""
+        label = self.prefix + label
         self.ledger.hold("activations", label, 0 if dx is None else dx.nbytes)
         for old in self.dying:
             self.ledger.free(old)

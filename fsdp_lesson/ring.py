@@ -37,7 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = ("allreduce", "allgather", "reduce_scatter", "bcast")
+# the collectives, and "send": point-to-point messages (Comm.send, a pipeline's activations and
+# gradients), recorded as they are sent in either mode, never by the ring model
+KINDS = ("allreduce", "allgather", "reduce_scatter", "bcast", "send")
+POINT_TO_POINT = ("send",)
 TAG = 13  # the ring's own tag: its messages match no receive posted with another tag
 
 

@@ -6,14 +6,17 @@ collective for good. So every Comm (comm.py) is a WatchedComm: while one of its 
 PyTorch's process groups watch their NCCL and gloo work. Past the communicator's `timeout` (the
 CLI's --timeout) it prints one line naming the collective, the step and layer it was waiting in
 and the ranks that have not arrived (each rank counts the collectives it has entered in shared
-memory, `Arrivals`), and ends every rank with MPI_Abort, exit code 4 (`end_the_job`). The calls
-stay the blocking, buffer-based ones: the watch costs the hot path a shared-memory store, a
-tuple and a clock read per call.
+memory, `Arrivals`), and ends every rank with MPI_Abort, exit code 4 (`end_the_job`). A
+point-to-point wait (a pipeline's send or recv) waits for one peer only, and its line names
+that peer and what it is doing (`Peer`, `peer_timeout_message`). The calls stay the blocking,
+buffer-based ones: the watch costs the hot path a shared-memory store, a tuple and a clock read
+per call.
 
     WatchedComm      what the watchdog reads of a communicator, and its watched blocking call
+    Peer             the one rank a point-to-point wait depends on (a pipeline's send or recv)
     Arrivals         how many collectives each rank has entered, in shared memory
     whereabouts      where the waiting rank was (step, layer), read from its stack
-    timeout_message  the one line
+    timeout_message  the one line (peer_timeout_message: a point-to-point wait's)
     Watchdog         the daemon thread (WATCHDOG, one per process), and end_the_job
     BarrierAtExit    a watched barrier before MPI_Finalize, which cannot be watched
 
@@ -27,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from time import monotonic
 
@@ -78,6 +82,32 @@ class WatchedComm:
             return call(*args, **kwargs)
         finally:
             WATCHDOG.waiting = None
+
+    def _watched_p2p(self, kind: str, peer: int, call, *args):
+        """call(*args), one blocking wait on rank `peer` of this communicator alone (a send or
+        a recv), watched: past self.timeout the watchdog ends the job naming that peer."""
+        WATCHDOG.waiting = (self, kind, Peer(peer), monotonic(), threading.get_ident())
+        try:
+            return call(*args)
+        finally:
+            WATCHDOG.waiting = None
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What a point-to-point wait waits for: one rank of the communicator (not all of them, as
+    a collective does), so a timeout names that rank and what it is doing."""
+
+    rank: int  # in the communicator
+
+    def world_rank(self, comm: WatchedComm) -> int:
+        """The peer's rank in COMM_WORLD, as every message names ranks."""
+        world = comm.MPI.COMM_WORLD.Get_group()
+        group = comm.mpi.Get_group()
+        rank = group.Translate_ranks([self.rank], world)[0]
+        group.Free()
+        world.Free()
+        return rank
 
 
 class Arrivals:
@@ -242,6 +272,20 @@ def timeout_message(
     return f"{head}; {who}: every rank stops now (exit code {EXIT_TIMEOUT}, --timeout {timeout:g})"
 
 
+def peer_timeout_message(
+    rank: int, what: str, where: str, waited: float, timeout: float, peer: int, state: str | None
+) -> str:
+    """The one line of a timed-out point-to-point wait: what (e.g. "recv (pp) from rank 0"),
+    where, and what the peer is doing (state None: on another host, not checked)."""
+    head = f"rank {rank}: {what}" + (f" {where}" if where else "") + f" waited {waited:.0f} s"
+    missing = "sent it" if what.startswith("recv") else "received it"
+    if state is None:
+        who = f"rank {peer} (on another host, not checked) has not {missing}"
+    else:
+        who = f"rank {peer} ({state}) has not {missing}"
+    return f"{head}; {who}: every rank stops now (exit code {EXIT_TIMEOUT}, --timeout {timeout:g})"
+
+
 class Watchdog:
     """The process's watchdog: a daemon thread that ends the job when a collective waits too long.
 
@@ -287,8 +331,11 @@ class Watchdog:
 WATCHDOG = Watchdog()
 
 
-def end_the_job(comm: WatchedComm, kind: str, entered: int, waited: float, where: str) -> None:
-    """A collective waited longer than comm.timeout: one line on stderr, then MPI_Abort(4).
+def end_the_job(
+    comm: WatchedComm, kind: str, entered: int | Peer, waited: float, where: str
+) -> None:
+    """A collective (or a wait on one peer) waited longer than comm.timeout: one line on
+    stderr, then MPI_Abort(4).
 
     The first rank of this host to time out says it (Arrivals.claim_report); the others, in
     the same or another collective waiting for the same stalled rank, stay silent and give it
@@ -296,15 +343,22 @@ def end_the_job(comm: WatchedComm, kind: str, entered: int, waited: float, where
     """
     arrivals = comm.arrivals
     what = kind if comm.name is None else f"{kind} ({comm.name})"
-    missing = [(r, process_state(pid)) for r, pid in arrivals.missing(entered)]
-    stopped = []
-    if not missing:
-        stopped = [r for r, pid in arrivals.pids() if process_state(pid).startswith("stopped")]
-    readable = 1 if arrivals.table is None else len(arrivals.world_ranks)  # itself at least
     rank = comm.MPI.COMM_WORLD.Get_rank()
-    line = timeout_message(
-        rank, what, where, waited, comm.timeout, missing, arrivals.size - readable, stopped
-    )
+    if isinstance(entered, Peer):
+        peer = entered.world_rank(comm)
+        what += f" {'from' if kind == 'recv' else 'to'} rank {peer}"
+        pid = dict(arrivals.pids()).get(peer)  # known when it runs on this host
+        state = None if pid is None else process_state(pid)
+        line = peer_timeout_message(rank, what, where, waited, comm.timeout, peer, state)
+    else:
+        missing = [(r, process_state(pid)) for r, pid in arrivals.missing(entered)]
+        stopped = []
+        if not missing:
+            stopped = [r for r, pid in arrivals.pids() if process_state(pid).startswith("stopped")]
+        readable = 1 if arrivals.table is None else len(arrivals.world_ranks)  # itself at least
+        line = timeout_message(
+            rank, what, where, waited, comm.timeout, missing, arrivals.size - readable, stopped
+        )
     world = Arrivals._world or arrivals
     if world.claim_report(rank):
         os.write(2, (line + "\n").encode())
