@@ -66,10 +66,11 @@ def output_width(layer, width: int, seq_len: int) -> int:
 class Stage:
     """Stage `index` of P: what a strategy and the loop read of a model (layers, blocks,
     block_inputs, config, loss), holding only this stage's layers, and the widths it receives
-    (in_width; 0 on the first stage, which reads tokens) and sends on (out_width)."""
+    (in_width; 0 on the first stage, which reads tokens) and sends on (out_width). `pp`: the
+    pipeline ranks' Comm it trains over (train.run's mesh.pp), for whoever runs it."""
 
-    def __init__(self, model: MLP, P: int, index: int) -> None:
-        self.model, self.index, self.count = model, index, P
+    def __init__(self, model: MLP, P: int, index: int, pp: Comm | None = None) -> None:
+        self.model, self.index, self.count, self.pp = model, index, P, pp
         self.blocks = stages(model, P)[index]
         self.layers = [layer for block in self.blocks for layer in block]
         self.block_inputs = {block[0].name for block in self.blocks}
