@@ -276,7 +276,7 @@ def say_between_hosts(say: Callable[[str], None], traffic: list[dict]) -> None:
 
 def train_command(args) -> None:
     from .comm import Comm, gather_objects, raise_on_every_rank
-    from .train import REFUSALS, Diverged, run
+    from .train import REFUSALS, Diverged, run, whole_params
 
     check_flags(args)
     model_config, train_config, run_config = configs_from(args)
@@ -305,7 +305,7 @@ def train_command(args) -> None:
 
     # a collective under sharding: every rank takes part, one layer gathered at a time, and only
     # when params.npz is asked for; only rank 0, which writes it, keeps the copies
-    params = strategy.full_params(root=0) if args.out is not None else {}
+    params = whole_params(strategy) if args.out is not None else {}
     per_rank = gather_objects(comm, {"memory": history.memory, "traffic": history.traffic})
     if comm.rank == 0:
         say_between_hosts(say, [r["traffic"] for r in per_rank])

@@ -31,8 +31,9 @@ from .data import (
 )
 from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .mesh import Mesh
-from .model import MLP, softmax
+from .model import MLP, Params, softmax
 from .optim import make_optimizer
+from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, pipeline_step
 from .rng import Rng, make_rng
 from .sharding import is_sharded
 from .strategies import STRATEGY_CLASSES, Strategy, make_strategy, strategy_options
@@ -112,6 +113,26 @@ def train_step(
     return sum(losses) / accum
 
 
+def training_step(
+    model: MLP | Stage, strategy: Strategy, X: np.ndarray, Y: np.ndarray, tc: TrainConfig
+) -> float:
+    """One optimizer step on this rank's rows: train_step, or a stage's part of the pipeline's
+    schedule (--pp); this rank's loss."""
+    if isinstance(model, Stage):
+        M = tc.accum * tc.micro_batches
+        return pipeline_step(model, strategy, model.pp, X, Y, M, tc.schedule)
+    return train_step(model, strategy, X, Y, tc.accum, tc.recompute)
+
+
+def whole_params(strategy: Strategy) -> dict[str, Params]:
+    """Every layer's whole parameters on world rank 0 ({} elsewhere): gathered over the
+    data-parallel and tensor-parallel ranks one layer at a time, then over the stages."""
+    params = strategy.full_params(root=0)
+    if isinstance(strategy.model, Stage):
+        params = gather_stages(params, strategy.model.pp)
+    return params
+
+
 def evaluate(
     model: MLP, strategy: Strategy, data: Dataset, rng: Rng, batch_size: int, n_batches: int
 ) -> float:
@@ -120,8 +141,11 @@ def evaluate(
     total = 0.0
     for _ in range(n_batches):
         X, Y = sampler.next()
-        logits = forward(model, strategy, rank_slice(X, comm.rank, comm.size))
-        loss, _ = model.loss.forward(logits, rank_slice(Y, comm.rank, comm.size))
+        x, y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
+        if isinstance(model, Stage):  # the last stage's loss, told to every stage
+            loss = pipeline_loss(model, strategy, model.pp, x, y)
+        else:
+            loss, _ = model.loss.forward(forward(model, strategy, x), y)
         total += comm.mean_scalar(loss)
     return total / n_batches
 
@@ -138,11 +162,13 @@ def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) 
     token = np.zeros(1, dtype=np.int32)
     tokens = []
     for _ in range(max_tokens):
-        logits = forward(model, strategy, context)
-        probs = softmax(logits)[0]
         u = rng.uniform(1)[0]
-        # walk the probabilities with a running float32 sum; the first with sum >= u
-        token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
+        if isinstance(model, Stage):  # chosen on the last stage, told to every stage
+            token[0] = pipeline_next_token(model, strategy, model.pp, context, u)
+        else:
+            probs = softmax(forward(model, strategy, context))[0]
+            # walk the probabilities with a running float32 sum; the first with sum >= u
+            token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
         strategy.comm.bcast(token, root=0)
         tokens.append(int(token[0]))
         if token[0] == 0:  # the boundary token ends the name
@@ -386,10 +412,13 @@ def run(
     settings = comm.allgather_objects((asdict(model_config), tc.to_dict()))
     if any(other != settings[0] for other in settings):  # every rank sees the same list
         raise ConfigError("the ranks were started with different settings: give all the same flags")
-    # tensor parallelism splits the model over mesh.tp; the strategy runs over mesh.dp
+    # tensor parallelism splits the model over mesh.tp, a pipeline gives each of mesh.pp's
+    # ranks a stage of its layers, and the strategy runs over mesh.dp
     mesh = Mesh.of(comm, tc.tp, tc.pp)
     rng = make_rng(tc.seed, tc.c_compat)
     model = MLP(model_config, mesh.tp, tc.c_compat)
+    if tc.pp > 1:
+        model = Stage(model, tc.pp, mesh.pp.rank, mesh.pp)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
     optimizer = make_optimizer(tc.optimizer, tc.lr)
@@ -397,6 +426,7 @@ def run(
     if rc.trace_memory:
         tracemalloc.start()
     options = memory_options(tc) | strategy_options(tc.strategy, tc)
+    options["accum"] *= tc.micro_batches  # a pipeline's micro-batches are accumulation's
     options["clip_grad_norm"] = tc.clip_grad_norm  # allocates nothing: not the planner's
     strategy = raise_on_every_rank(
         comm,
@@ -437,22 +467,29 @@ def prepare(
 
 
 def check_mesh(tc: TrainConfig, rc: RunConfig) -> None:
-    """Refuse what the mesh does not do yet: pipelines, and with --tp checkpoints and
-    clipping (both would need every tensor-parallel piece, not this rank's)."""
-    if tc.pp > 1:
+    """Refuse what a mesh (--tp, --pp) does not do yet, each with what to do instead."""
+    sizes = {"--tp": tc.tp, "--pp": tc.pp}
+    flags = " ".join(f"{flag} {size}" for flag, size in sizes.items() if size > 1)
+    if flags and (rc.save_every or rc.resume):
         raise ConfigError(
-            f"--pp {tc.pp}: pipeline parallelism is not wired into training yet; run without --pp"
+            f"checkpoints of {flags} are not supported yet: each rank holds a piece or a stage"
+            " of the model, which the checkpoint layout does not record; save or resume without"
+            " --tp and --pp"
         )
-    if tc.tp > 1 and (rc.save_every or rc.resume):
+    if flags and tc.clip_grad_norm is not None:
         raise ConfigError(
-            "checkpoints of tensor parallelism (--tp) are not supported yet: each rank holds"
-            " a piece of the split layers, which the checkpoint layout does not record; save or"
-            " resume without --tp"
+            f"--clip-grad-norm with {flags} is not supported yet: the norm would count only this"
+            " rank's pieces or stage; clip without --tp and --pp, or train without clipping"
         )
-    if tc.tp > 1 and tc.clip_grad_norm is not None:
+    if tc.pp > 1 and tc.recompute:
         raise ConfigError(
-            "--clip-grad-norm with --tp is not supported yet: the norm would count only this"
-            " rank's pieces of the split layers; clip without --tp, or train without clipping"
+            "--recompute with --pp is not supported yet: the pipeline keeps every activation;"
+            " use --micro-batches (and --schedule 1f1b) to hold fewer at once"
+        )
+    if tc.pp > 1 and tc.precision == "fp16":
+        raise ConfigError(
+            "--precision fp16 with --pp is not supported yet: each stage would decide alone to"
+            " skip a step after an overflow; use --precision bf16, which needs no loss scaling"
         )
 
 
@@ -513,7 +550,7 @@ def train_loop(
                 ledger.timeline = [("start", ledger.live_total)]
             if step == rc.trace_step:  # the collectives' spans, and zero3's units' compute
                 comm.trace.spans = []
-            local_loss = train_step(model, strategy, X, Y, tc.accum, tc.recompute)
+            local_loss = training_step(model, strategy, X, Y, tc)
             if strategy.precision.scaler is not None and strategy.precision.scaler.last_skipped:
                 history.skipped_steps.append(step)
             if step == rc.timeline_step:

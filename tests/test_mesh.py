@@ -1,20 +1,26 @@
-"""The process mesh (fsdp_lesson/mesh.py) under real `mpiexec -n 4`: every rank's place in the
-(pp, dp, tp) grid is the C 3-D program's, and each communicator joins the ranks it should."""
+"""The process mesh (fsdp_lesson/mesh.py) under real `mpiexec`: every rank's place in the
+(pp, dp, tp) grid is the C 3-D program's, each communicator joins the ranks it should, and the
+CLI's meshes (--tp, --pp, both) train single-rank training's model; what they refuse."""
 
 import json
+import re
 import sys
+from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mpi_helpers import mpiexec  # noqa: E402
+from mpi_helpers import assert_same_as_single, mpiexec  # noqa: E402
 
 from fsdp_lesson.comm import Comm  # noqa: E402
-from fsdp_lesson.config import ConfigError  # noqa: E402
+from fsdp_lesson.config import ConfigError, ModelConfig, RunConfig, TrainConfig  # noqa: E402
+from fsdp_lesson.data import Dataset  # noqa: E402
 from fsdp_lesson.mesh import Mesh  # noqa: E402
+from fsdp_lesson.train import check_mesh, run  # noqa: E402
 
-# each rank prints, for every (tp, pp), its rank along each dimension and the world ranks there
+# for every (tp, pp), each rank's rank along each dimension and the world ranks there, on rank 0
 PLACES = """
 import json
 import numpy as np
@@ -31,7 +37,9 @@ for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]:
         comm.allgather(np.array([float(world.rank)]), members)
         place[dim] = [comm.rank, [int(m) for m in members]]
     places[f"{tp},{pp}"] = place
-print(json.dumps([world.rank, places]))
+everyone = world.allgather_objects(places)  # one line from rank 0: prints never interleave
+if world.rank == 0:
+    print(json.dumps(everyone))
 """
 
 
@@ -39,9 +47,9 @@ print(json.dumps([world.rank, places]))
 def test_every_rank_sits_where_the_c_program_puts_it():
     result = mpiexec(4, "-c", PLACES, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(result.stdout.splitlines()) == 4
-    for line in result.stdout.splitlines():
-        r, places = json.loads(line)
+    everyone = json.loads(result.stdout)
+    assert len(everyone) == 4
+    for r, places in enumerate(everyone):
         for key, place in places.items():
             tp, pp = map(int, key.split(","))
             dp = 4 // (tp * pp)
@@ -66,3 +74,60 @@ def test_one_rank_is_a_mesh_of_ones():
 def test_a_mesh_that_does_not_divide_the_ranks_is_refused():
     with pytest.raises(ConfigError, match="--tp 2 --pp 1 need a multiple of 2 ranks"):
         Mesh.of(Comm(), tp=2)
+
+
+# --- the CLI on meshes: what the issue's "done when" names, against single-rank training -----
+
+MESH_RUNS = [  # (ranks, flags): each must train single-rank training's model within 1e-5
+    (4, ["--tp", "2", "--strategy", "zero3"]),
+    (4, ["--pp", "2", "--micro-batches", "4", "--strategy", "dp", "--schedule", "gpipe"]),
+    (4, ["--pp", "2", "--micro-batches", "4", "--strategy", "dp", "--schedule", "1f1b"]),
+    (8, ["--tp", "2", "--pp", "2", "--strategy", "zero2", "--micro-batches", "2"]),
+]
+SHORT = ["--steps", "20", "--batch", "24", "--eval-batches", "5", "--samples", "3"]
+
+
+@cache
+def single_run():
+    config = TrainConfig(steps=20, batch=24, eval_batches=5, samples=3)
+    return run(ModelConfig(), config, data=Dataset.load())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, flags", MESH_RUNS, ids=[" ".join(f) for _, f in MESH_RUNS])
+def test_a_mesh_trains_single_rank_trainings_model(n, flags, tmp_path):
+    result = mpiexec(n, "-m", "fsdp_lesson", "train", *flags, *SHORT, "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "history.json").read_text())
+    saved = np.load(tmp_path / "params.npz")
+    params = {}
+    for key in saved.files:
+        layer, name = key.split(".")
+        params.setdefault(layer, {})[name] = saved[key]
+    history, strategy = single_run()
+    whole = strategy.full_params()
+    assert {(layer, k) for layer in whole for k in whole[layer]} == {
+        (layer, k) for layer in params for k in params[layer]
+    }, "params.npz holds every whole layer"
+    assert_same_as_single(" ".join(flags), record | {"params": params}, history, whole)
+    assert abs(record["val_loss"] - history.val_loss) <= 1e-5
+    kinds = set(record["traffic"][0])
+    if "--tp" in flags:
+        assert "allreduce (tp)" in kinds or "allreduce" in kinds
+    if "--pp" in flags:
+        assert any(kind.startswith("send") for kind in kinds), kinds
+
+
+@pytest.mark.parametrize(
+    "settings, run_settings, words",
+    [
+        (dict(tp=2), dict(save_every=5), "checkpoints of --tp 2 are not supported yet"),
+        (dict(pp=2), dict(resume=Path("x")), "checkpoints of --pp 2 are not supported yet"),
+        (dict(pp=2, clip_grad_norm=1.0), {}, "--clip-grad-norm with --pp 2"),
+        (dict(pp=2, recompute=True), {}, "--recompute with --pp is not supported yet"),
+        (dict(pp=2, precision="fp16"), {}, "use --precision bf16"),
+    ],
+)
+def test_what_a_mesh_does_not_do_yet_is_refused(settings, run_settings, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        check_mesh(TrainConfig(**settings), RunConfig(**run_settings))
