@@ -55,6 +55,29 @@ def assert_same_as_single(what: str, run: dict, history, params: dict, atol: flo
     assert run["samples"] == history.samples, f"{what}: samples differ from single's"
 
 
+def fixture_lines(name: str) -> list[list[str]]:
+    """tests/fixtures/NAME's lines but its comments, each split at its first space."""
+    text = (ROOT / "tests" / "fixtures" / name).read_text()
+    return [line.split(" ", 1) for line in text.splitlines() if not line.startswith("#")]
+
+
+def assert_prints_the_c_programs(n: int, flags: list[str], program: str) -> None:
+    """`mpiexec -n n train --c-compat FLAGS --steps 1000` prints the C program's 1,000 losses
+    (tests/fixtures/c_PROGRAM_losses.txt) within 1e-5, its validation loss and its samples."""
+    args = ["train", "--c-compat", *flags, "--steps", "1000", "--log-every", "1"]
+    result = mpiexec(n, "-m", "fsdp_lesson", *args, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    losses = [float(line.split("loss ")[1]) for line in lines if line.startswith("step:")]
+    expected = [float(loss) for step, loss in fixture_lines(f"c_{program}_losses.txt")]
+    assert len(losses) == len(expected) == 1000
+    assert np.abs(np.array(losses) - expected).max() <= 1e-5
+    (_, validation), *samples = fixture_lines(f"c_{program}_samples.txt")
+    printed = next(line for line in lines if line.startswith("Final validation loss: "))
+    assert abs(float(printed.split(": ")[1]) - float(validation)) <= 1e-5
+    assert [line for line in lines if "  --> " in line] == [" ".join(s) for s in samples]
+
+
 @contextmanager
 def simulated_hosts(directory: Path, prefix: str, bandwidth: str = "1gbit", slots: int = 2):
     """2 simulated hosts of `slots` ranks (fsdp_lesson/hosts.py) in directory, named with the

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mpi_helpers import assert_same_as_single, mpiexec  # noqa: E402
+from mpi_helpers import assert_prints_the_c_programs, assert_same_as_single, mpiexec  # noqa: E402
 
 from fsdp_lesson.comm import Comm  # noqa: E402
 from fsdp_lesson.config import ConfigError, ModelConfig, RunConfig, TrainConfig  # noqa: E402
@@ -131,3 +131,10 @@ def test_a_mesh_trains_single_rank_trainings_model(n, flags, tmp_path):
 def test_what_a_mesh_does_not_do_yet_is_refused(settings, run_settings, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         check_mesh(TrainConfig(**settings), RunConfig(**run_settings))
+
+
+@pytest.mark.mpi
+def test_c_compat_pp_prints_the_c_programs_losses():
+    """train_pp.c (3 stages, one batch at a time) computes single-rank training's model:
+    --c-compat --pp 3 on 3 ranks prints its losses, validation loss and samples."""
+    assert_prints_the_c_programs(3, ["--pp", "3"], "pp")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from mpi_helpers import assert_same_as_single, mpiexec
+from mpi_helpers import assert_prints_the_c_programs, assert_same_as_single, mpiexec
 
 from fsdp_lesson.comm import Comm
 from fsdp_lesson.config import ConfigError, ModelConfig, RunConfig, TrainConfig
@@ -196,23 +196,7 @@ def test_a_bad_tp_is_refused_on_every_rank_without_hang():
     assert "Traceback" not in result.stderr and "step:" not in result.stdout
 
 
-def fixture_lines(name: str) -> list[list[str]]:
-    text = (HERE / "fixtures" / name).read_text()
-    return [line.split(" ", 1) for line in text.splitlines() if not line.startswith("#")]
-
-
 def test_c_compat_tp_prints_the_c_programs_losses():
     """train_tp.c reduces the row layer's output and the embedding's gradient with a mean
     (docs/seed_semantics.md, "The TP program"): --c-compat --tp 2 follows it, samples too."""
-    args = ["train", "--c-compat", "--tp", "2", "--steps", "1000", "--log-every", "1"]
-    result = mpiexec(2, "-m", "fsdp_lesson", *args, timeout=120)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    losses = [float(line.split("loss ")[1]) for line in lines if line.startswith("step:")]
-    expected = [float(loss) for step, loss in fixture_lines("c_tp_losses.txt")]
-    assert len(losses) == len(expected) == 1000
-    assert np.abs(np.array(losses) - expected).max() <= 1e-5
-    (_, validation), *samples = fixture_lines("c_tp_samples.txt")
-    printed = next(line for line in lines if line.startswith("Final validation loss: "))
-    assert abs(float(printed.split(": ")[1]) - float(validation)) <= 1e-5
-    assert [line for line in lines if "  --> " in line] == [" ".join(s) for s in samples]
+    assert_prints_the_c_programs(2, ["--tp", "2"], "tp")
