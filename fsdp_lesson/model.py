@@ -31,7 +31,12 @@ class Layer:
     name: str
     shapes: dict[str, tuple[int, ...]]  # this rank's parameters
     whole_shapes: dict[str, tuple[int, ...]]  # the layer's, as single-rank training has it
-    split = False  # True: this rank holds a piece of the layer (tensor.py)
+    pieces: tuple[str, ...] = ()  # the parameters this rank holds a piece of (tensor.py)
+
+    @property
+    def split(self) -> bool:
+        """Whether this rank holds a piece of the layer; its other parameters are whole."""
+        return bool(self.pieces)
 
     def piece(self, whole: Params) -> Params:
         """This rank's parameters, cut from the whole layer's."""

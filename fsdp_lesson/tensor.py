@@ -84,7 +84,7 @@ class ColumnParallelLinear(Linear):
     """This rank's columns of a Linear: W (in, H/T), b (H/T,); its output is this rank's
     columns of y, and its input's gradient the sum over ranks (f)."""
 
-    split = True
+    pieces = ("W", "b")
 
     def __init__(self, name: str, n_in: int, n_out: int, tp: Comm, c_compat: bool = False):
         super().__init__(name, n_in, n_out)  # the whole layer: whole_shapes and init_scale
@@ -118,7 +118,7 @@ class RowParallelLinear(Linear):
     """This rank's rows of a Linear: W (H/T, out), and the whole bias b (out,); its input is
     this rank's columns of x, its output the sum over ranks (g) plus b, on every rank."""
 
-    split = True
+    pieces = ("W",)  # b is whole on every rank
 
     def __init__(self, name: str, n_in: int, n_out: int, tp: Comm, c_compat: bool = False):
         super().__init__(name, n_in, n_out)  # the whole layer: whole_shapes and init_scale

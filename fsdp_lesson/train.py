@@ -238,18 +238,29 @@ class ReplicaMismatch(RuntimeError):
     """State that every rank should hold identically differs between ranks: a sharding bug."""
 
 
-def check_replicas(strategy: Strategy) -> None:
-    """Raise on every rank if any replicated array is not bit-identical on all ranks.
+def check_replicas(strategy: Strategy, tp: Comm | None = None) -> None:
+    """Raise on every rank if any replicated array is not bit-identical on all ranks: over the
+    strategy's ranks, and over the tensor-parallel ranks `tp` the layers they do not split.
 
     The C program this course grew from let bias gradients stay local, so the ranks' biases drifted
     apart; this check catches that class of bug after every run.
     """
-    if strategy.comm.size == 1:
-        return
-    arrays = {key: s.array for key, s in strategy.local_state().items() if not s.sharded}
-    if strategy.mixed and not is_sharded(strategy.stage, "params"):  # and the 16-bit copy
-        arrays |= {f"{name}.params16": a for name, a in strategy.param_arrays().items()}
-    differ = [name for name, a in arrays.items() if not same_everywhere(strategy.comm, a)]
+    differ = []
+    if strategy.comm.size > 1:
+        arrays = {key: s.array for key, s in strategy.local_state().items() if not s.sharded}
+        if strategy.mixed and not is_sharded(strategy.stage, "params"):  # and the 16-bit copy
+            arrays |= {f"{name}.params16": a for name, a in strategy.param_arrays().items()}
+        differ = [name for name, a in arrays.items() if not same_everywhere(strategy.comm, a)]
+    if tp is not None and tp.size > 1:  # the embedding, a row layer's bias, an unpaired layer
+        strategy.begin_phase("forward")
+        for layer in strategy.model.layers:
+            p = strategy.materialize(layer)
+            differ += [
+                f"{layer.name}.{k} (tp)"
+                for k, a in p.items()
+                if k not in layer.pieces and not same_everywhere(tp, a)
+            ]
+            strategy.release(layer)
     if differ:
         raise ReplicaMismatch(f"replicated state differs between ranks: {', '.join(differ)}")
 
@@ -439,6 +450,7 @@ def run(
     train_loop(model, strategy, data, rng, history, first_step, tc, rc, on_log)
     history.traffic = comm.traffic_report()  # every dimension's: "allreduce (tp)", ...
     finish(model, strategy, data, rng, history, tc, rc)
+    check_replicas(strategy, mesh.tp)
     return history, strategy
 
 
@@ -588,7 +600,7 @@ def finish(
     tc: TrainConfig,
     rc: RunConfig,
 ) -> None:
-    """After the last step: validation loss, samples, memory, the replicas' check."""
+    """After the last step: validation loss, samples, memory."""
     if tc.eval_batches:
         history.val_loss = evaluate(model, strategy, data, rng, tc.batch, tc.eval_batches)
     for _ in range(tc.samples):
@@ -599,4 +611,3 @@ def finish(
     if rc.trace_memory:
         history.memory["tracemalloc_peak"] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    check_replicas(strategy)

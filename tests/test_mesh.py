@@ -138,3 +138,32 @@ def test_c_compat_pp_prints_the_c_programs_losses():
     """train_pp.c (3 stages, one batch at a time) computes single-rank training's model:
     --c-compat --pp 3 on 3 ranks prints its losses, validation loss and samples."""
     assert_prints_the_c_programs(3, ["--pp", "3"], "pp")
+
+
+DRIFT = """
+from fsdp_lesson.comm import Comm
+from fsdp_lesson.config import ModelConfig, TrainConfig
+from fsdp_lesson.mesh import Mesh
+from fsdp_lesson.train import ReplicaMismatch, check_replicas, run
+world = Comm.world()
+config = TrainConfig(tp=2, steps=2, batch=8, eval_batches=0, samples=0, timeout=20)
+history, strategy = run(ModelConfig(), config, comm=world)
+tp = Mesh.of(world, tp=2).tp
+check_replicas(strategy, tp)  # a healthy run passes
+if world.rank == 1:  # the embedding drifts on one tensor-parallel rank
+    strategy.local_state()["emb.params"].array[0] += 1
+try:
+    check_replicas(strategy, tp)
+    print("no mismatch found")
+except ReplicaMismatch as err:
+    print(f"rank {world.rank}: {err}")
+"""
+
+
+@pytest.mark.mpi
+def test_a_replicated_layer_that_drifts_between_tensor_parallel_ranks_is_caught():
+    result = mpiexec(2, "-c", DRIFT, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.splitlines()) == [
+        f"rank {r}: replicated state differs between ranks: emb.W (tp)" for r in (0, 1)
+    ]

@@ -13,13 +13,13 @@ import pytest
 from mpi_helpers import assert_prints_the_c_programs, assert_same_as_single, mpiexec
 
 from fsdp_lesson.comm import Comm
-from fsdp_lesson.config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.dryrun import dry_run
 from fsdp_lesson.model import MLP, Linear, ReLU
 from fsdp_lesson.strategies import strategy_options
 from fsdp_lesson.tensor import ColumnParallelLinear, RowParallelLinear, piece_range
-from fsdp_lesson.train import check_mesh, memory_options, run
+from fsdp_lesson.train import memory_options, run
 
 HERE = Path(__file__).parent
 
@@ -79,20 +79,6 @@ def test_megatron_pairs_the_linears(layers, kinds):
     linears = [layer for layer in model.layers[1:] if not isinstance(layer, ReLU)]
     assert [kind[type(layer)] for layer in linears] == kinds
     assert model.num_params == MLP(ModelConfig(layers=layers)).num_params  # the whole model's
-
-
-@pytest.mark.parametrize(
-    "train, run_config, message",
-    [
-        (dict(pp=2), {}, "pipeline parallelism is not wired into training yet"),
-        (dict(tp=2), dict(save_every=5, checkpoint_dir="x"), "checkpoints of tensor parallelism"),
-        (dict(tp=2), dict(resume="x"), "checkpoints of tensor parallelism"),
-        (dict(tp=2, clip_grad_norm=1.0), {}, "--clip-grad-norm with --tp is not supported yet"),
-    ],
-)
-def test_what_the_mesh_does_not_do_yet_is_refused(train, run_config, message):
-    with pytest.raises(ConfigError, match=message):
-        check_mesh(TrainConfig(**train), RunConfig(**run_config))
 
 
 # --- under mpiexec ---------------------------------------------------------------------------
