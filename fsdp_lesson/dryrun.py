@@ -1,20 +1,24 @@
 """A dry run: a strategy's own code runs initialisation and one training step on placeholders.
 
 The planner (plan.ledger_bytes) predicts what MemoryLedger will measure by running the very
-lines that allocate: the real strategy and the real loop (train_step), with
+lines that allocate: the real strategy and the real loop (train_step, or a pipeline stage's
+pipeline_step), with
 
     placeholders   arrays of the asked shape that hold one element (memory.placeholder)
-    DryComm        N ranks seen from rank 0; every collective returns at once
+    DryComm        N ranks seen from one of them; every collective and message returns at once
     DryModel       the model's layers with forward and backward that compute nothing
     DryOptimizer   the optimizer's state allocated as usual, its update skipped
 
 so the ledger counts every hold and free in their real order, and no schedule (zero3's
-prefetch, zero2's transient, the memory options' scratch buffers) is written a second time.
+prefetch, zero2's transient, the memory options' scratch buffers, a pipeline's micro-batches in
+flight) is written a second time.
 The same dry step, with an EventLog, lists what a strategy computes and which collectives it
 runs, in order (step_events: the picture of notebooks 03 to 05).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -23,11 +27,13 @@ from .config import ModelConfig
 from .memory import MemoryLedger, placeholder
 from .model import MLP, Embedding, Params
 from .optim import make_optimizer
+from .pipeline import Stage, pipeline_step
+from .rng import Rng
 from .strategies import make_strategy
 from .train import train_step
 
-# The micro-batches between the first and the last repeat one another exactly: three stand
-# for any number (a step of --accum 10^9 is predicted at once, not run 10^9 times).
+# train_step's micro-batches between the first and the last repeat one another exactly: three
+# stand for any number (a step of --accum 10^9 is predicted at once, not run 10^9 times).
 MICRO_BATCHES_THAT_DIFFER = 3
 
 
@@ -58,14 +64,19 @@ class EventLog(list):
 
 
 class DryComm(Comm):
-    """N ranks as rank 0 sees them, moving no data. `groups` sizes the communicators that
-    split() makes, by name (zero3's HSDP: "shard" and "replicate"); `log` lists the calls."""
+    """N ranks as `rank` (0 by default) sees them, moving no data. `groups` sizes the
+    communicators that split() makes, by name (zero3's HSDP: "shard" and "replicate"); `log`
+    lists the collectives."""
 
     def __init__(
-        self, size: int, groups: dict[str, int] | None = None, log: EventLog | None = None
+        self,
+        size: int,
+        groups: dict[str, int] | None = None,
+        log: EventLog | None = None,
+        rank: int = 0,
     ) -> None:
         super().__init__()
-        self.size, self.groups, self.log = size, groups or {}, log
+        self.size, self.rank, self.groups, self.log = size, rank, groups or {}, log
 
     def _called(self, kind: str, buf: np.ndarray, tag: str) -> Request:
         if self.log is not None:
@@ -101,6 +112,13 @@ class DryComm(Comm):
 
     def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray, tag: str = "") -> Request:
         return self._called("reduce_scatter", full, tag)
+
+    def send(self, buf: np.ndarray, to: int, tag: str = "") -> Request:
+        """A pipeline's message (not a collective: the EventLog does not list it), done at once."""
+        return Request.done(self, lambda: None)
+
+    def recv(self, buf: np.ndarray, source: int, tag: str = "") -> np.ndarray:
+        return buf
 
     def split(self, color: int, key: int, name: str) -> DryComm:
         return DryComm(self.groups[name], log=self.log)
@@ -156,10 +174,13 @@ class DryModel:
         self.blocks = [[dry[layer.name] for layer in block] for block in model.blocks]
         self.loss = DryLoss()
 
-    def init_layers(self, rng=None):
+    def init_layers(
+        self, rng: Rng | None = None, dtype=np.float32
+    ) -> Iterator[tuple[DryLayer, Params]]:
         """Each whole layer's initial parameters, as placeholders: one at a time, as MLP's."""
         for layer in self.layers:
-            yield layer, {name: placeholder(shape) for name, shape in layer.whole_shapes.items()}
+            shapes = layer.whole_shapes.items()
+            yield layer, {name: placeholder(shape, dtype) for name, shape in shapes}
 
 
 class DryOptimizer:
@@ -175,6 +196,17 @@ class DryOptimizer:
             self.log.update(p, state)
 
 
+def micro_batches_to_run(M: int, pp: int, stage: int, schedule: str) -> int:
+    """How many of a step's M micro-batches the dry run takes to meet every peak of the step."""
+    if pp == 1:  # train_step holds one micro-batch at a time: the first, a middle one, the last
+        return min(M, MICRO_BATCHES_THAT_DIFFER)
+    if schedule == "1f1b":  # after the warm-up's P - stage - 1 forwards, each forward and
+        # backward in turn holds P - stage micro-batches: that steady state repeats as
+        # train_step's micro-batches do, and its first, a middle and the last one stand for all
+        return min(M, pp - stage - 1 + MICRO_BATCHES_THAT_DIFFER)
+    return M  # gpipe: every forward before any backward, all M micro-batches held at once
+
+
 def dry_run(
     strategy: str,
     model_config: ModelConfig,
@@ -186,27 +218,41 @@ def dry_run(
     recompute: bool = False,
     log: EventLog | None = None,
     tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    micro_batches: int = 1,
+    schedule: str = "gpipe",
     **options,
 ) -> MemoryLedger:
     """Rank 0's ledger after `strategy` (with its own and the memory options) initialised the
     model and took one step of `accum` micro-batches of `micro_batch` rows, on N ranks; the
     step's events in `log`, if given. With tp = T, the model is tensor-parallel over T more
     ranks (tensor.py) and `strategy` runs over the N data-parallel ones: every rank's pieces
-    have the same shapes (padded), so rank 0's ledger is every rank's."""
+    have the same shapes (padded), so rank 0's ledger is every rank's. With pp = P, the model
+    is pipeline rank `stage`'s Stage and the step pipeline_step's: each of the `accum`
+    micro-batches split in `micro_batches`, run in `schedule`'s order (pipeline.py)."""
+    if pp > 1 and recompute:
+        raise ValueError("pipeline_step does not recompute: a stage keeps every activation")
     replicate = options.get("replicate", 1)
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
-    whole = MLP(model_config, DryComm(tp) if tp > 1 else None)
-    ledger, model = MemoryLedger(dry=True), DryModel(whole, log)
-    accum = min(accum, MICRO_BATCHES_THAT_DIFFER)
+    model = DryModel(MLP(model_config, DryComm(tp) if tp > 1 else None), log)
+    if pp > 1:
+        model = Stage(model, pp, stage, DryComm(pp, rank=stage))
+    M = micro_batches_to_run(accum * micro_batches, pp, stage, schedule)
+    ledger = MemoryLedger(dry=True)
     built = make_strategy(
-        strategy, model, DryOptimizer(optimizer, log), comm, ledger, accum=accum, **options
+        strategy, model, DryOptimizer(optimizer, log), comm, ledger, accum=M, **options
     )
     built.init_params(rng=None)
-    X = placeholder((micro_batch * accum, model_config.seq_len), np.uint8)
-    Y = placeholder((micro_batch * accum,), np.uint8)
+    rows = micro_batch // micro_batches * M
+    X = placeholder((rows, model_config.seq_len), np.uint8)
+    Y = placeholder((rows,), np.uint8)
     if log is not None:  # the step's events from here on
         log.strategy = built
-    train_step(model, built, X, Y, accum, recompute)
+    if pp > 1:
+        pipeline_step(model, built, model.pp, X, Y, M, schedule)
+    else:
+        train_step(model, built, X, Y, M, recompute)
     return ledger
 
 

@@ -4,7 +4,6 @@
     Stage                  one stage's part of the model: all a strategy and the loop read of it
     schedule_ops           the order of one stage's forwards ("F", m) and backwards ("B", m)
     pipeline_step          one training step of one stage: its ops, sends, receives and update
-    activation_peak        the activation bytes a stage's ledger peaks at, from the shapes alone
     pipeline_forward, ...  evaluation and sampling: logits on the last stage, told to every stage
     unit_time_records, chart, bubble   the schedules in unit time, drawn; a step's idle fraction
 
@@ -14,6 +13,7 @@ loss. Along the data-parallel dimension each stage is trained by --strategy over
 hold the same stage (mesh.dp), unchanged: a Stage is a model to it. The M micro-batches are
 gradient accumulation's (the strategy is built with accum=M): each backward adds to the
 gradients, the strategy reduces as --accum-reduce says, and the update comes once per step.
+The planner predicts a stage's ledger by running pipeline_step itself, dry (dryrun.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from .comm import Comm, Sending, gather_objects
 from .config import SCHEDULES, ConfigError
 from .memory import Activations
-from .model import MLP, Embedding, Params, softmax
+from .model import MLP, Params, softmax
 from .rng import Rng
 from .strategies.base import Strategy
 
@@ -56,9 +56,10 @@ def stages(model: MLP, P: int) -> list[list[list]]:
 
 
 def output_width(layer, width: int, seq_len: int) -> int:
-    """The features of a layer's output, from its input's: the embedding's seq_len * E, a layer
-    with W (in, out) its out (a tensor-parallel piece's own), any other (ReLU) unchanged."""
-    if isinstance(layer, Embedding):
+    """The features of a layer's output, from its input's (0: tokens): the embedding's (the
+    layer that reads tokens) seq_len * E, a layer with W (in, out) its out (a tensor-parallel
+    piece's own), any other (ReLU) unchanged."""
+    if width == 0:  # tokens in: the embedding's W is (V, E), its output (B, seq_len * E)
         return seq_len * layer.shapes["W"][1]
     return layer.shapes["W"][1] if "W" in layer.shapes else width
 
@@ -80,7 +81,6 @@ class Stage:
             widths.append(output_width(layer, widths[-1], model.config.seq_len))
         first = model.layers.index(self.layers[0])
         self.in_width, self.out_width = widths[first], widths[first + len(self.layers)]
-        self.widths = widths[first : first + len(self.layers) + 1]  # in, each layer's output
 
     @property
     def is_first(self) -> bool:
@@ -264,45 +264,6 @@ def from_last_stage(pp: Comm, value: float) -> float:
     """The last stage's value on every stage (a float64 broadcast over pp)."""
     buf = np.array([value], dtype=np.float64)
     return float(pp.bcast(buf, root=pp.size - 1)[0])
-
-
-# --- memory: what the ledger sees, from the shapes alone -------------------------------------
-
-
-def activation_peak(
-    stage: Stage, schedule: str, micro_batches: int, rows: int, token_bytes: int = 1
-) -> int:
-    """The peak of a stage's "activations" in the ledger during pipeline_step, to the byte.
-
-    Per micro-batch of b = rows / M rows a forward keeps every layer's input (the tokens of
-    `token_bytes` each, then float32 features) and what it sends on (the last stage: the
-    dlogits); a backward adds each layer's input gradient beside its cache and the gradient
-    before it. The schedule decides how many micro-batches are held at once: M with gpipe, at
-    most P - stage with 1f1b. This replays StageStep's holds and frees in its order.
-    """
-    b = rows // micro_batches
-    cached = [  # each layer's input: its cache, and (but the embedding's) its gradient
-        b * stage.config.seq_len * token_bytes if isinstance(layer, Embedding) else b * width * 4
-        for layer, width in zip(stage.layers, stage.widths[:-1], strict=True)
-    ]
-    first_is_embedding = isinstance(stage.layers[0], Embedding)  # passes no gradient on
-    grads = [0 if i == 0 and first_is_embedding else c for i, c in enumerate(cached)]
-    out = b * stage.out_width * 4  # sent on (or the dlogits), and the gradient received for it
-    live = peak = pending = 0
-    for kind, _ in schedule_ops(schedule, stage.count, stage.index, micro_batches):
-        live, pending = live - pending, 0  # the op's input has arrived: earlier sends are done
-        if kind == "F":
-            live += sum(cached) + out
-            pending = 0 if stage.is_last else out
-            peak = max(peak, live)
-            continue
-        live += 0 if stage.is_last else out  # the gradient received
-        peak, gradient = max(peak, live), out
-        for cache, grad in zip(reversed(cached), reversed(grads), strict=True):
-            peak = max(peak, live + grad)  # the new gradient beside its cache and the last one
-            live, gradient = live + grad - cache - gradient, grad
-        live, pending = (live - gradient, 0) if stage.is_first else (live, gradient)
-    return peak
 
 
 # --- evaluation and sampling: the logits reach the last stage, the answer every stage --------

@@ -321,12 +321,17 @@ def ledger_bytes(
     accum_reduce: str = "every",
     recompute: bool = False,
     tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    micro_batches: int = 1,
+    schedule: str = "gpipe",
     **options,
 ) -> dict:
     """What MemoryLedger's peaks per category will be for this run, to the byte: the
     strategy's own code initialises the model and takes one step on placeholders (dryrun.py),
     so the prediction comes from the lines that allocate. N is the ranks the strategy runs
-    over; with tp = T the model's pieces are those of T tensor-parallel ranks (tensor.py).
+    over; with tp = T the model's pieces are those of T tensor-parallel ranks (tensor.py);
+    with pp = P, pipeline rank `stage`'s, stepping `micro_batches` in `schedule` (pipeline.py).
 
     The keyword arguments are the memory levers and the strategies' own options (zero3's
     layers_per_unit, prefetch, ...; TrainConfig's fields of the same names); the defaults
@@ -349,6 +354,10 @@ def ledger_bytes(
         accum_reduce=accum_reduce,
         recompute=recompute,
         tp=tp,
+        pp=pp,
+        stage=stage,
+        micro_batches=micro_batches,
+        schedule=schedule,
         **{k: v for k, v in options.items() if k in STRATEGY_CLASSES[strategy].options},
     )
     return dict(ledger.peak)

@@ -276,23 +276,31 @@ class Diverged(ArithmeticError):
 
 def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
     """Bytes per rank that training allocates on n ranks: plan.ledger_bytes for the strategy
-    over the data-parallel ranks (exact, as the tests check; with --tp, on this rank's pieces),
-    the step history, and a step's batch (step_batch_bytes)."""
+    over the data-parallel ranks (exact, as the tests check; with --tp, on this rank's pieces;
+    with --pp, the largest of the stages', so that every rank refuses a run one rank could not
+    fit), the step history, and a step's batch (step_batch_bytes)."""
     from . import plan
 
     options = memory_options(tc) | strategy_options(strategy, tc)
+    options |= dict(pp=tc.pp, micro_batches=tc.micro_batches, schedule=tc.schedule)
     dp = data_parallel_size(tc, n)
-    ledger = plan.ledger_bytes(
-        strategy,
-        model_config,
-        dp,
-        tc.optimizer,
-        tc.batch // dp,
-        recompute=tc.recompute,
-        tp=tc.tp,
-        **options,
+    ledger = max(
+        sum(
+            plan.ledger_bytes(
+                strategy,
+                model_config,
+                dp,
+                tc.optimizer,
+                tc.batch // dp,
+                recompute=tc.recompute,
+                tp=tc.tp,
+                stage=stage,
+                **options,
+            ).values()
+        )
+        for stage in range(tc.pp)
     )
-    return sum(ledger.values()) + 3 * 8 * tc.steps + step_batch_bytes(model_config, tc, n)
+    return ledger + 3 * 8 * tc.steps + step_batch_bytes(model_config, tc, n)
 
 
 def data_parallel_size(tc: TrainConfig, n: int) -> int:
@@ -308,9 +316,9 @@ MICRO_BATCH_BYTES = 320
 def step_batch_bytes(model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
     """A step's batch on one of n ranks: the index of every row of the global batch (--batch
     rows times --accum), this rank's rows of tokens (of the data-parallel ranks' share), and
-    the --accum micro-batches cut from them."""
-    rows, dp = tc.batch * tc.accum, data_parallel_size(tc, n)
-    return batch_bytes(rows, dp, model_config.seq_len, tc.c_compat) + MICRO_BATCH_BYTES * tc.accum
+    the --accum (times a pipeline's --micro-batches) micro-batches cut from them."""
+    rows, dp, pieces = tc.batch * tc.accum, data_parallel_size(tc, n), tc.accum * tc.micro_batches
+    return batch_bytes(rows, dp, model_config.seq_len, tc.c_compat) + MICRO_BATCH_BYTES * pieces
 
 
 def memory_options(tc: TrainConfig) -> dict:

@@ -1,6 +1,6 @@
 """Pipeline parallelism (fsdp_lesson/pipeline.py): placement and schedules without MPI, then
 real pipelines under mpiexec (tests/pipeline_worker.py) against single-rank training: the same
-model within 1e-5, every rank's activation peak as predicted to the byte, the sends counted
+model within 1e-5, every rank's ledger as the dry run predicts it to the byte, the sends counted
 by hand, and a stage whose peer fails ending the job in seconds."""
 
 import subprocess
@@ -22,7 +22,6 @@ from fsdp_lesson.model import MLP
 from fsdp_lesson.optim import make_optimizer
 from fsdp_lesson.pipeline import (
     Stage,
-    activation_peak,
     bubble,
     chart,
     pipeline_step,
@@ -30,6 +29,7 @@ from fsdp_lesson.pipeline import (
     stages,
     unit_time_records,
 )
+from fsdp_lesson.plan import ledger_bytes
 from fsdp_lesson.rng import make_rng
 from fsdp_lesson.strategies import make_strategy
 from fsdp_lesson.train import run
@@ -37,7 +37,7 @@ from fsdp_lesson.watchdog import peer_timeout_message
 
 HERE = Path(__file__).parent
 
-# --- without MPI: placement, schedules, the bubble, the memory formula ---------------------
+# --- without MPI: placement, schedules, the bubble, the memory the dry run predicts ----------
 
 
 def names(blocks) -> list[str]:
@@ -127,18 +127,19 @@ def test_the_charts_of_the_docs():
 
 
 def test_gpipe_holds_m_micro_batches_and_1f1b_at_most_p_minus_stage():
-    """Each micro-batch held from its forward to its backward adds what it keeps: at P = 3,
-    per row, 16 tokens of 1 byte (stage 0), fc1's and relu1's inputs (256 + 64) x 4 bytes
-    (stage 1), fc2's input and the dlogits (64 + 27) x 4 bytes (stage 2)."""
-    model, b = MLP(ModelConfig()), 4  # rows per micro-batch
+    """The dry run of each stage (plan.ledger_bytes): each micro-batch held from its forward to
+    its backward adds what it keeps, and nothing else grows with M. At P = 3, per row, 16 tokens
+    of 1 byte (stage 0), fc1's and relu1's inputs (256 + 64) x 4 bytes (stage 1), fc2's input
+    and the dlogits (64 + 27) x 4 bytes (stage 2)."""
+    model, b = ModelConfig(), 4  # rows per micro-batch
     kept = [16 * b, (256 + 64) * 4 * b, (64 + 27) * 4 * b]
     for s in range(3):
-        stage = Stage(model, 3, s)
-        one = activation_peak(stage, "gpipe", 1, b)
+        one = ledger_bytes("single", model, 1, "sgd", b, pp=3, stage=s)
         for M in (1, 2, 4, 8):
-            gpipe, ofob = (activation_peak(stage, k, M, b * M) for k in ("gpipe", "1f1b"))
-            assert gpipe == one + (M - 1) * kept[s]
-            assert ofob == one + (min(3 - s, M) - 1) * kept[s]
+            for schedule, held in (("gpipe", M), ("1f1b", min(3 - s, M))):
+                pipeline = dict(pp=3, stage=s, micro_batches=M, schedule=schedule)
+                peaks = ledger_bytes("single", model, 1, "sgd", b * M, **pipeline)
+                assert peaks == one | {"activations": one["activations"] + (held - 1) * kept[s]}
 
 
 def test_a_pipeline_step_refuses_pieces_that_do_not_fit():
@@ -239,18 +240,30 @@ def rows_per_rank(case: dict) -> int:
     return case["batch"] * case["pp"] * case["tp"] // case["n"]  # B / dp
 
 
-def check_activation_peaks(results: dict) -> None:
+def check_ledgers(results: dict) -> None:
+    """Every rank's ledger peaks, every category, as plan.ledger_bytes predicts for its stage."""
     for name, r in results.items():
         c = r["case"]
+        dp = c["n"] // (c["tp"] * c["pp"])
         for rank, mine in enumerate(r["per_rank"]):
-            stage = stage_of(c, mine["stage"])
-            want = activation_peak(stage, c["schedule"], c["micro_batches"], rows_per_rank(c))
-            assert mine["peak"]["activations"] == want, f"{name} rank {rank}"
+            want = ledger_bytes(
+                c["strategy"],
+                ModelConfig(layers=c["layers"]),
+                dp,
+                c["optimizer"],
+                rows_per_rank(c),
+                tp=c["tp"],
+                pp=c["pp"],
+                stage=mine["stage"],
+                micro_batches=c["micro_batches"],
+                schedule=c["schedule"],
+            )
+            assert mine["peak"] == want, f"{name} rank {rank}"
 
 
 @pytest.mark.mpi
-def test_every_ranks_activation_peak_is_predicted_to_the_byte(world):
-    check_activation_peaks(world[1])
+def test_every_ranks_ledger_is_predicted_to_the_byte(world):
+    check_ledgers(world[1])
 
 
 def sends(traffic: dict) -> tuple:
@@ -307,7 +320,7 @@ def test_tp2_pp2_zero2_on_eight_ranks_trains_as_single(tmp_path_factory):
     assert results
     for name, r in results.items():
         assert_trains_as_single(name, r)
-    check_activation_peaks(results)
+    check_ledgers(results)
     check_sends(results)
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from fsdp_lesson import dryrun
 from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.plan import (
@@ -44,6 +45,21 @@ def test_predicts_the_ledger_on_one_rank(strategy, optimizer, model):
     config = TrainConfig(strategy=strategy, optimizer=optimizer, steps=2, eval_batches=0, samples=0)
     history, _ = run(model, config, data=Dataset.load())
     assert history.memory["peak"] == ledger_bytes(strategy, model, 1, optimizer, micro_batch=32)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero2", "zero3"])
+def test_a_1f1b_stage_is_predicted_from_its_warm_up_and_three_micro_batches(strategy, monkeypatch):
+    """1F1B's steady state repeats as train_step's micro-batches do: the dry run that stops
+    after the warm-up's forwards and three more micro-batches predicts what all M would."""
+    model = ModelConfig(layers=3, hidden=32)  # 4 blocks: stage 0 of 4 warms up with 3
+
+    def stages() -> list[dict]:
+        pipeline = dict(pp=4, micro_batches=12, schedule="1f1b", accum_reduce="last")
+        return [ledger_bytes(strategy, model, 2, "adam", 24, stage=s, **pipeline) for s in range(4)]
+
+    capped = stages()
+    monkeypatch.setattr(dryrun, "micro_batches_to_run", lambda M, pp, stage, schedule: M)
+    assert stages() == capped
 
 
 def test_real_model_planner_has_every_lever():
