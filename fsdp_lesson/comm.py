@@ -18,9 +18,11 @@ MPI has no sum for bfloat16, so their reductions always run ring.py's algorithm 
 doing the adds (in mpi mode too, counted as before); allgathers and broadcasts only copy, so the
 library moves their uint16 bits.
 
-Point-to-point `send` and `recv` (a pipeline's activations and gradients, pipeline.py) are the
-library's Isend and Recv in both modes; what a send hands to MPI is recorded as it is sent (kind
-"send": one message, its buffer's bytes), so their numbers are measured in either mode.
+The non-blocking calls (iallreduce_mean, iallgather, ireduce_scatter_mean) and point-to-point
+`send` and `recv` (a pipeline's activations and gradients, pipeline.py) are Comm's base,
+requests.py's NonBlocking. Sends are the library's Isend in both modes; what a send hands to MPI
+is recorded as it is sent (kind "send": one message, its buffer's bytes), so their numbers are
+measured in either mode.
 
 A Comm built without an MPI communicator is one rank and needs no MPI at all.
 
@@ -32,17 +34,16 @@ a send's or recv's line names the one peer it waits for.
 from __future__ import annotations
 
 import hashlib
-import threading
 from dataclasses import asdict, dataclass
-from time import monotonic, perf_counter
+from time import perf_counter
 
 import numpy as np
 
+from .requests import NonBlocking
 from .ring import KINDS, POINT_TO_POINT, Ring, Sent, on_wire
-from .watchdog import BARRIER_AT_EXIT, DEFAULT_TIMEOUT, WATCHDOG, WatchedComm
+from .watchdog import BARRIER_AT_EXIT, DEFAULT_TIMEOUT
 
 COLLECTIVES = ("mpi", "ring")
-P2P_TAG = 14  # point-to-point messages' tag: none matches a receive of the ring's (ring.TAG)
 # messages and bytes a rank sends per call in the ring model, in units of (N-1) and (N-1)/N * F
 RING_FACTOR = {"allreduce": 2, "allgather": 1, "reduce_scatter": 1, "bcast": 1}
 
@@ -66,7 +67,7 @@ class Traffic(Sent):
     seconds: float = 0.0  # wall-clock time inside the calls
 
 
-class Comm(WatchedComm):
+class Comm(NonBlocking):
     """allreduce_mean/_sum, allgather, reduce_scatter_mean, bcast, barrier: accounted, watched."""
 
     def __init__(
@@ -242,59 +243,7 @@ class Comm(WatchedComm):
             report[kind] = asdict(t) | {"how": how, "between_hosts": self.between_hosts[kind]}
         return report
 
-    # --- point-to-point: a pipeline's activations and gradients (pipeline.py) ---------------
-
-    def send(self, buf: np.ndarray, to: int, tag: str = "") -> Sending:
-        """Start sending buf to rank `to` (MPI_Isend); buf must not change until the returned
-        Sending's wait(). Recorded at once under "send", alike in mpi and ring mode: one
-        message of buf.nbytes. It does not wait for the receiver, so two neighbours may both
-        send and then receive (blocking sends would wait for each other's receive forever
-        once a message is too large for MPI to buffer)."""
-        if self.mpi is None:
-            raise ValueError("a one-rank Comm has no other rank to send to: send over P > 1 ranks")
-        start = perf_counter()
-        t = self.traffic["send"]
-        t.calls, t.messages = t.calls + 1, t.messages + 1
-        t.buffer_bytes, t.sent_bytes = t.buffer_bytes + buf.nbytes, t.sent_bytes + buf.nbytes
-        request = self.mpi.Isend(on_wire(buf), to, P2P_TAG)
-        t.seconds += perf_counter() - start
-        return Sending(self, request, to, buf, tag, start)
-
-    def recv(self, buf: np.ndarray, source: int, tag: str = "") -> np.ndarray:
-        """buf <- what rank `source` sent (MPI_Recv), in place. Watched: past the timeout the
-        watchdog ends the job, naming `source` and what it is doing."""
-        if self.mpi is None:
-            raise ValueError("a one-rank Comm has no other rank to receive from")
-        start = perf_counter()
-        self._watched_p2p("recv", source, self.mpi.Recv, on_wire(buf), source, P2P_TAG)
-        self.trace.record("comm", f"recv {tag}" if tag else "recv", start)
-        return buf
-
-    # --- non-blocking collectives and sub-communicators (dp's and zero3's overlap, HSDP) ---
-
-    def iallreduce_mean(self, buf: np.ndarray, tag: str = "") -> Request:
-        """Start buf <- the mean of buf over ranks, in place (MPI_Iallreduce); wait() ends it."""
-        if self.ring is not None or self.size == 1 or buf.size == 0 or buf.dtype.itemsize == 2:
-            return Request.done(self, lambda: self.allreduce_mean(buf, tag))
-        entered = self._arrive()
-        started = self.mpi.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return Request(self, "allreduce", buf.nbytes, started, buf, entered, tag)
-
-    def iallgather(self, shard: np.ndarray, full: np.ndarray, tag: str = "") -> Request:
-        """Start full <- every rank's shard (MPI_Iallgather); the Request's wait() completes it."""
-        if self.ring is not None or self.size == 1 or full.size == 0:
-            return Request.done(self, lambda: self.allgather(shard, full, tag))
-        entered = self._arrive()
-        started = self.mpi.Iallgather(on_wire(shard), on_wire(full))
-        return Request(self, "allgather", full.nbytes, started, None, entered, tag)
-
-    def ireduce_scatter_mean(self, full: np.ndarray, shard: np.ndarray, tag: str = "") -> Request:
-        """Start shard <- this rank's slice of the mean of `full` (MPI_Ireduce_scatter_block)."""
-        if self.ring is not None or self.size == 1 or full.size == 0 or full.dtype.itemsize == 2:
-            return Request.done(self, lambda: self.reduce_scatter_mean(full, shard, tag))
-        entered = self._arrive()
-        started = self.mpi.Ireduce_scatter_block(full, shard, op=self.MPI.SUM)
-        return Request(self, "reduce_scatter", full.nbytes, started, shard, entered, tag)
+    # --- sub-communicators (HSDP's groups, the mesh's dimensions) ---------------------------
 
     def split(self, color: int, key: int, name: str) -> Comm:
         """The ranks with the same color, ordered by key (MPI_Comm_split), as a counted Comm.
@@ -329,75 +278,6 @@ class Trace:
         """A span from `start` to now, when recording (and `start` is known)."""
         if self.spans is not None and start is not None:
             self.spans.append((lane, what, start, perf_counter()))
-
-
-class Request:
-    """A collective in flight: wait() completes it (dividing for a mean) and counts it.
-
-    The seconds counted are those spent blocked in wait(); `issued` and `completed` are the
-    wall-clock span a timeline draws. The ring and a one-rank Comm run the collective at once
-    (Request.done): the ring's Sendrecv calls block.
-    """
-
-    def __init__(
-        self,
-        comm: Comm,
-        kind: str,
-        nbytes: int,
-        mpi_request,
-        mean_into,
-        entered: int = 0,
-        tag: str = "",
-    ) -> None:
-        self.comm, self.kind, self.nbytes, self.tag = comm, kind, nbytes, tag
-        self.mpi_request, self.mean_into = mpi_request, mean_into
-        self.entered = entered  # its number among the communicator's collectives (Arrivals)
-        self.issued, self.completed = perf_counter(), None
-
-    @classmethod
-    def done(cls, comm: Comm, collective) -> Request:
-        """A request whose collective ran to completion right here (and was counted there)."""
-        request = cls(comm, "", 0, None, None)
-        collective()
-        request.completed = perf_counter()
-        return request
-
-    def test(self) -> bool:
-        """Let MPI progress the collective (MPI_Test); True once it is complete."""
-        return self.mpi_request is None or self.mpi_request.Test()
-
-    def wait(self) -> None:
-        if self.completed is not None:
-            return
-        start = perf_counter()
-        # watched as a blocking call is: past the Comm's timeout the watchdog ends the job
-        WATCHDOG.waiting = (self.comm, self.kind, self.entered, monotonic(), threading.get_ident())
-        try:
-            self.mpi_request.Wait()
-        finally:
-            WATCHDOG.waiting = None
-        if self.mean_into is not None:
-            self.comm._divide(self.mean_into)
-        self.comm._account(self.kind, self.nbytes, start, self.tag, self.issued)
-        self.completed = perf_counter()
-
-
-class Sending:
-    """A send in flight (Comm.send): wait() returns once MPI is done with the buffer. Watched
-    as a recv is: past the Comm's timeout the watchdog names the rank that has not received."""
-
-    def __init__(self, comm: Comm, request, to: int, buf: np.ndarray, tag: str, issued: float):
-        self.comm, self.request, self.to, self.tag, self.issued = comm, request, to, tag, issued
-        self.buf = buf  # kept alive until MPI is done with it
-
-    def wait(self) -> None:
-        if self.request is None:
-            return
-        start = perf_counter()
-        self.comm._watched_p2p("send", self.to, self.request.Wait)
-        self.request = self.buf = None
-        self.comm.traffic["send"].seconds += perf_counter() - start
-        self.comm.trace.record("comm", f"send {self.tag}" if self.tag else "send", self.issued)
 
 
 # --- the library's own calls on small things, not counted: flags, digests, objects, hosts ---

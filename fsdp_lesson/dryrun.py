@@ -22,12 +22,13 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .comm import Comm, Request
+from .comm import Comm
 from .config import ModelConfig
 from .memory import MemoryLedger, placeholder
 from .model import MLP, Embedding, Params
 from .optim import make_optimizer
 from .pipeline import Stage, pipeline_step
+from .requests import Request
 from .rng import Rng
 from .strategies import make_strategy
 from .train import train_step

@@ -23,10 +23,11 @@ from time import perf_counter
 
 import numpy as np
 
-from .comm import Comm, Sending, gather_objects
+from .comm import Comm, gather_objects
 from .config import SCHEDULES, ConfigError
 from .memory import Activations
 from .model import MLP, Params, softmax
+from .requests import Sending
 from .rng import Rng
 from .strategies.base import Strategy
 

@@ -14,7 +14,7 @@ every rank, so the mean of the sums adds just the mean of the new micro-batch's 
 
 from __future__ import annotations
 
-from ..comm import Request
+from ..requests import Request
 from .single import Single
 
 

@@ -24,10 +24,11 @@ from time import perf_counter
 
 import numpy as np
 
-from ...comm import Comm, Request
+from ...comm import Comm
 from ...flat import FlatParam
 from ...memory import MemoryLedger
 from ...model import Params
+from ...requests import Request
 
 
 class Unit:
