@@ -271,7 +271,7 @@ def test_student_copy_runs_on_the_cluster_and_every_checker_says_not_solved(teac
     """Executed where `make student` puts it (build/student/), as a student would run it: no
     error, and after each exercise a checker prints "not solved yet" before the next exercise."""
     if needs_hosts(teacher_path) and not hosts_up():
-        pytest.skip("notebook 11 runs on the simulated hosts, and none are up (make hosts)")
+        pytest.skip("notebook 13 runs on the simulated hosts, and none are up (make hosts)")
     (path,) = student.write_student_copies([teacher_path], student.OUT)
     copy = nbformat.read(path, as_version=4)
     execute(copy, path.parent)  # raises CellExecutionError on the first error
@@ -297,7 +297,7 @@ def test_student_copy_runs_on_the_cluster_and_every_checker_says_not_solved(teac
 
 
 def hosts_up() -> bool:
-    """Whether simulated hosts are up where notebook 11 looks for them (build/hosts)."""
+    """Whether simulated hosts are up where notebook 13 looks for them (build/hosts)."""
     from fsdp_lesson import hosts
 
     record = hosts.Record.load(hosts.DEFAULT_DIR)

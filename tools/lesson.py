@@ -66,7 +66,7 @@ def mpi_cluster(n: int = N_ENGINES):
 
 
 def needs_hosts(path: Path) -> bool:
-    """Whether a notebook runs on the simulated hosts (its metadata says so: notebook 11)."""
+    """Whether a notebook runs on the simulated hosts (its metadata says so: notebook 13)."""
     metadata = json.loads(path.read_text()).get("metadata", {})
     return metadata.get("fsdp_lesson", {}).get("needs") == "hosts"
 
@@ -85,7 +85,7 @@ def simulated_hosts(notebooks: list[Path]):
     if reason is not None:
         yield f"needs the simulated hosts: {reason}"
         return
-    print("bringing up simulated hosts for notebook 11 (2 x 2 slots, 1 Gbit/s) ...", flush=True)
+    print("bringing up simulated hosts for notebook 13 (2 x 2 slots, 1 Gbit/s) ...", flush=True)
     try:
         hosts.up(hosts.Layout(hosts=2, slots=2, bandwidth="1gbit"))
         yield None
@@ -155,7 +155,7 @@ def run_tests(pytest_args: list[str]) -> int:
         notebooks = NOTEBOOKS
         if no_hosts:  # tests/test_student.py skips the same notebooks, with the same reason
             notebooks = [path for path in NOTEBOOKS if not needs_hosts(path)]
-            print(f"not under nbval: notebook 11, which {no_hosts}", flush=True)
+            print(f"not under nbval: notebook 13, which {no_hosts}", flush=True)
         selection = paths or ["tests", *map(str, notebooks * 2), "--keep-duplicates"]
         nbval = ["--nbval", "--nbval-current-env", "--nbval-cell-timeout=600"]
         command = [sys.executable, "-m", "pytest", *selection, *nbval, "-p", "no:cacheprovider"]
