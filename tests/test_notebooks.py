@@ -15,11 +15,12 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # cluster's address, long float32 training (its last digits depend on the CPU's kernels),
 # the first matplotlib import (a one-time font-cache notice), and timed collectives: commbench,
 # the alpha-beta lines fitted to its timings (fits[N]) and the seconds inside a run's collectives,
-# and rounding residues (checks.residue: their digits depend on the CPU's BLAS kernels).
+# rounding residues (checks.residue: their digits depend on the CPU's BLAS kernels), and a
+# pipeline's measured idle fractions (bubbles[M], from its ops' perf_counter spans).
 VOLATILE = re.compile(
     r"perf_counter|time\.|step_seconds|cpu_count|progress=|tracemalloc|rss|getpid|%%?px"
     r"|subprocess|RankError|connect\(|history\.(names|samples|val_loss)|\[\"names\"\]"
-    r"|^import matplotlib|commbench|fits\[|\[\"seconds\"\]|residue\(",
+    r"|^import matplotlib|commbench|fits\[|\[\"seconds\"\]|residue\(|bubbles\[",
     re.MULTILINE,
 )
 # A printed rounding residue ("max diff 7e-11", "relative error 3e-10"): its digits differ from

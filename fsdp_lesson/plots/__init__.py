@@ -21,6 +21,7 @@ memory         memory_bars({"dp": [peak of rank 0, ...]}, ...)    per-rank bytes
                lever_bars, activation_vs_batch                    the memory levers (07)
                memory_timeline, gathered_units                    live bytes over one step's events
 mesh           mesh_memory({"405B": 1024}, recompute=True)        the (dp, tp, pp) meshes that fit
+pipeline       pipeline_lanes(records), bubble_curves((2, 4))     stages' ops and idle; the bubble
 shards         shard_layout({"fc1": FlatParam, ...}), rank_shards each layer's flat vector by owner
 _style         formula_legend(fig), KB, the colours               what the pictures share
 """
@@ -52,6 +53,7 @@ from .memory import (
     split_master,
 )
 from .mesh import MESH_COLORS, MESH_GPUS, MESH_PARTS, mesh_memory
+from .pipeline import IDLE_COLOR, OP_COLORS, bubble_curves, pipeline_lanes
 from .shards import PAD_COLOR, rank_shards, shard_layout
 from .timelines import COMPUTE, STAGES, TRACE_LANES, step_collectives, step_events, timeline
 from .training import loss_curves, loss_scale, precision_curves, running_mean
@@ -59,6 +61,7 @@ from .training import loss_curves, loss_scale, precision_curves, running_mean
 __all__ = [
     "CATEGORY_COLORS",
     "COMPUTE",
+    "IDLE_COLOR",
     "KB",
     "KINDS",
     "KIND_COLORS",
@@ -68,6 +71,7 @@ __all__ = [
     "MESH_COLORS",
     "MESH_GPUS",
     "MESH_PARTS",
+    "OP_COLORS",
     "PAD_COLOR",
     "PAPER_FORMULA",
     "RANK_COLORS",
@@ -77,6 +81,7 @@ __all__ = [
     "TRACE_LANES",
     "activation_vs_batch",
     "batch_by_rank",
+    "bubble_curves",
     "bytes_per_parameter",
     "cluster_picture",
     "collective_picture",
@@ -93,6 +98,7 @@ __all__ = [
     "memory_timeline",
     "mesh_memory",
     "name_statistics",
+    "pipeline_lanes",
     "precision_curves",
     "rank_shards",
     "ring_moves",
