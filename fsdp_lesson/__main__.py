@@ -236,12 +236,15 @@ def say_results(
 ) -> None:
     """What rank 0 prints after training: the checkpoint it resumed from, if any, the
     validation loss and the sampled names."""
+    from .checkpoint import layout_of
+
     resumed = history.resumed_from
     if resumed is not None:
-        resharded = (resumed["strategy"], resumed["world_size"]) != (strategy, ranks)
+        layout = layout_of(strategy, config.to_dict())  # e.g. "zero3 with --tp 2"
+        resharded = (resumed["layout"], resumed["world_size"]) != (layout, ranks)
         say(
             f"resumed from {resumed['path']} at step {resumed['step']} (saved by "
-            f"{resumed['strategy']} on {resumed['world_size']} ranks; this run: {strategy} "
+            f"{resumed['layout']} on {resumed['world_size']} ranks; this run: {layout} "
             f"on {ranks}" + (", resharded)" if resharded else ")")
         )
         if resumed["batch"] != config.batch:

@@ -1,15 +1,20 @@
-"""Sharded checkpoints: every rank writes its own shards; rank 0 a manifest; any N can load.
+"""Sharded checkpoints: every rank writes its own shards; rank 0 a manifest; any mesh can load.
 
-    ckpt/manifest.json            config, strategy, N, layer layouts, step, RNG, sha256 of files
+    ckpt/manifest.json            config, strategy, N, each layer's shapes and writers, step,
+                                  RNG, sha256 of files
     ckpt/manifest.sha256          the manifest's own sha256: an edited manifest is refused
-    ckpt/rank00000-of-00004.npz   rank 0's shard of every layer: params, Adam's m and v
+    ckpt/rank00000-of-00004.npz   rank 0's slice of each of its layers: params, Adam's m and v
     ckpt/losses.npy               the global loss of every step so far (a resumed run's history)
 
-Whatever the strategy, a rank saves the slice [r*S, (r+1)*S) of every state array's padded
-flat vector (FlatParam with N shards), so a checkpoint looks the same whether dp or zero3
-wrote it. Loading at another N or into another strategy ("resharding") rebuilds each whole
-vector from the saved slices and hands it to the strategy's load_state, which keeps what the
-sharding table says it keeps.
+What is saved is each WHOLE layer, as single-rank training holds it: its state's flat vector
+(FlatParam) cut into W slices, written by the W ranks that hold the layer. Without a mesh
+these are all N ranks, and a rank's slice [r*S, (r+1)*S) is what zero3 keeps, or what dp cuts
+from its whole vector, so a checkpoint looks the same whether dp or zero3 wrote it. On a mesh
+(--tp T, --pp P) a layer's W = T x D ranks are those of its pipeline stage: its tensor-parallel
+pieces are joined first (layer.whole), one layer at a time. Loading into another strategy, N
+or mesh ("resharding") rebuilds each whole vector from the slices of the ranks that wrote it,
+cuts this rank's piece (layer.piece) of this rank's stage's layers, and hands them to the
+strategy's load_state, which keeps what the sharding table says it keeps.
 
 A save never removes a good checkpoint before the next one is complete: it writes
 `ckpt.partial`, moves `ckpt` to `ckpt.old`, moves `ckpt.partial` to `ckpt`, then deletes
@@ -35,18 +40,21 @@ import numpy as np
 from .comm import Comm, raise_on_every_rank
 from .data import DataError, sha256_of
 from .flat import FlatParam
+from .model import MLP
 from .rng import Rng
 from .sharding import STRATEGIES
 from .strategies import STRATEGY_CLASSES, Strategy
-from .strategies.zero3 import make_units
 
-FORMAT = 4
+FORMAT = 5  # 5: whole layers, each with the ranks that wrote it (4: a plain run's, still read)
 # TrainConfig fields a resumed run may change; everything else must match the checkpoint.
 # With reshard=True the global batch may change too (see check_compatible).
 MAY_CHANGE = {"strategy", "steps", "log_every", "eval_batches", "samples", "memory_budget_mb"}
 MAY_CHANGE |= set().union(*(s.options_a_resume_may_change for s in STRATEGY_CLASSES.values()))
 MAY_CHANGE |= {"recompute"}  # recomputes the same bits
 MAY_CHANGE |= {"timeout"}  # how long a collective may wait (--timeout): changes no number
+MAY_CHANGE |= {"micro_batches", "schedule"}  # a pipeline's: the same rows, summed in turn
+# How a run lays out its state, as the strategy and N do: another needs --reshard.
+LAYOUT = {"layers_per_unit": "--layers-per-unit", "tp": "--tp", "pp": "--pp"}
 # The manifest's keys and their types: anything else is a damaged or foreign manifest.
 MANIFEST_TYPES = {
     "format": int,
@@ -57,13 +65,14 @@ MANIFEST_TYPES = {
     "train_config": dict,
     "optimizer_steps": int,
     "loss_scaler": dict,  # fp16's LossScaler: {"scale", "good_steps"}; {} without one
-    "layers": dict,
+    "layers": dict,  # name -> {"shapes": the whole layer's, "ranks": who wrote its slices}
     "rng": dict,
     "files": dict,
 }
 SUFFIXES = ("", ".partial", ".old")  # where a checkpoint may be found after a crash
 MANIFEST_MAX_BYTES = 2**24  # a manifest takes kilobytes (its rank files' names and digests)
 MAX_WORLD_SIZE = 2**20  # ranks a checkpoint may name: far beyond any run of this lesson
+READ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile)  # an unreadable file
 
 
 class CheckpointError(ValueError):
@@ -74,16 +83,65 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}-of-{world_size:05d}.npz"
 
 
-def owned_shards(strategy: Strategy) -> dict[str, np.ndarray]:
-    """This rank's slice [r*S, (r+1)*S) of every state array's padded flat vector.
+def whole_model(strategy: Strategy) -> MLP:
+    """The whole model whose layers the strategy trains (all of them, or a pipeline Stage's)."""
+    return getattr(strategy.model, "model", strategy.model)
 
-    A sharded array is that slice already; of a whole one, this rank saves its slice.
+
+class MeshRanks:
+    """All ranks of the strategy's mesh (mesh.py) as one group: the strategy's Comm spans only
+    the data-parallel ranks, a split layer knows tp, a Stage pp. World rank r = t + T(d + D p).
+    Enough of a Comm for raise_on_every_rank: rank, size, allgather_objects."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        one = Comm(None, strategy.comm.collectives, strategy.comm.timeout)
+        tp = next((layer.tp for layer in whole_model(strategy).layers if layer.split), one)
+        dp, pp = strategy.comm, getattr(strategy.model, "pp", None)
+        pp = one if pp is None else pp
+        self.dims = (tp, dp, pp)  # the fastest-changing rank first
+        self.stage_size = tp.size * dp.size  # W: the ranks that hold this rank's layers
+        self.slot = tp.rank + tp.size * dp.rank  # this rank's place among them
+        self.rank, self.size = self.slot + self.stage_size * pp.rank, self.stage_size * pp.size
+
+    def allgather_objects(self, obj) -> list:
+        """Every rank's obj in world-rank order: gathered along tp, then dp, then pp."""
+        for comm in self.dims:
+            obj = comm.allgather_objects(obj)
+        return [x for by_dp in obj for by_tp in by_dp for x in by_tp]
+
+
+def layer_vector(strategy: Strategy, layer, what: str) -> np.ndarray:
+    """A layer's whole vector of one state ("params", "m") as single-rank training lays it out:
+    gathered over dp if sharded, cut from its zero3 unit, tp pieces joined (layer.whole)."""
+    name, keys = strategy.held_as(layer.name, {k: k for k in layer.shapes})  # zero3: "fc1.W"
+    entry, flat = strategy.local_state()[f"{name}.{what}"], strategy.layout[name]
+    vector = entry.array
+    if entry.sharded:  # an allgather over the data-parallel ranks
+        vector = strategy.comm.allgather(vector, np.empty(flat.padded_numel, vector.dtype))
+    views = flat.views(vector)
+    piece = {k: views[key] for key, k in keys.items()}
+    return FlatParam(layer.whole_shapes).flatten(layer.whole(piece))
+
+
+def owned_shards(strategy: Strategy) -> dict[str, np.ndarray]:
+    """This rank's slice [i*S, (i+1)*S) of each of its layers' whole state vectors, i its place
+    among the W ranks that hold the layer (FlatParam with W shards; W = N without a mesh).
+
+    Without --tp or zero3's units a sharded array is that slice already; of a whole one, this
+    rank saves its slice. Otherwise the layer is gathered first (a collective: every rank calls).
     """
-    rank, arrays = strategy.comm.rank, {}
-    for key, entry in strategy.local_state().items():
-        flat = strategy.layout[entry.layer]
-        whole = not entry.sharded
-        arrays[key] = flat.owned_shard(flat.padded(entry.array), rank) if whole else entry.array
+    ranks, local, arrays = MeshRanks(strategy), strategy.local_state(), {}
+    states = dict.fromkeys(key.rsplit(".", 1)[1] for key in local)  # params, m, v
+    for layer in strategy.model.layers:
+        flat = FlatParam(layer.whole_shapes, ranks.stage_size)
+        for what in states:
+            key = f"{layer.name}.{what}"
+            entry = local.get(key)  # None: the layer is part of a zero3 unit
+            if entry is not None and entry.sharded and ranks.stage_size == strategy.comm.size:
+                arrays[key] = entry.array
+            else:
+                vector = layer_vector(strategy, layer, what)
+                arrays[key] = flat.owned_shard(flat.padded(vector), ranks.slot)
     return arrays
 
 
@@ -157,59 +215,73 @@ def save_checkpoint(
 ) -> None:
     """Every rank writes its shards; rank 0 the manifest; then the directory is moved into place.
 
-    A collective: every rank must call it. `step` is the number of steps done, `losses` the
-    global loss of each of them. If any rank cannot write (a full disk, a file where the
-    directory should be), every rank raises the same CheckpointError.
+    A collective: every rank of the mesh must call it. `step` is the number of steps done,
+    `losses` the global loss of each of them. If any rank cannot write (a full disk, a file
+    where the directory should be), every rank raises the same CheckpointError.
     """
-    comm, final = strategy.comm, Path(directory)
+    ranks, final = MeshRanks(strategy), Path(directory)
     partial = final.with_name(final.name + ".partial")
+    shards = owned_shards(strategy)  # collectives first: a rank that fails to write skips none
 
     def prepare() -> None:
-        if comm.rank == 0:
+        if ranks.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
 
     def write_shard() -> tuple[str, str]:
-        path = partial / rank_file(comm.rank, comm.size)
-        write_durably(path, lambda f: np.savez(f, **owned_shards(strategy)))
+        path = partial / rank_file(ranks.rank, ranks.size)
+        write_durably(path, lambda f: np.savez(f, **shards))
         return path.name, sha256_of(path)
 
-    _agree_on_io(comm, prepare, final)
-    digests = comm.allgather_objects(_agree_on_io(comm, write_shard, final))
+    _agree_on_io(ranks, prepare, final)
+    mine = [layer.name for layer in strategy.model.layers]
+    written = ranks.allgather_objects((*_agree_on_io(ranks, write_shard, final), mine))
 
     def write_manifest() -> None:
-        if comm.rank != 0:
+        if ranks.rank != 0:
             return
         losses_so_far = np.asarray(losses[:step], dtype=np.float64)
         write_durably(partial / "losses.npy", lambda f: np.save(f, losses_so_far))
-        files = dict(digests) | {"losses.npy": sha256_of(partial / "losses.npy")}
-        manifest = manifest_of(strategy, step, rng, model_config, train_config, files)
+        files = {name: digest for name, digest, _ in written}
+        files["losses.npy"] = sha256_of(partial / "losses.npy")
+        manifest = manifest_of(strategy, step, rng, model_config, train_config, files, written)
         text = json.dumps(manifest, indent=1).encode()
         _write_bytes(partial / "manifest.json", text)
         _write_bytes(partial / "manifest.sha256", hashlib.sha256(text).hexdigest().encode())
         _fsync_directory(partial)  # its files' names, before it becomes the checkpoint
         _move_into_place(partial, final)
 
-    _agree_on_io(comm, write_manifest, final)
+    _agree_on_io(ranks, write_manifest, final)
 
 
 def manifest_of(
-    strategy: Strategy, step: int, rng: Rng, model_config: dict, train_config: dict, files: dict
+    strategy: Strategy,
+    step: int,
+    rng: Rng,
+    model_config: dict,
+    train_config: dict,
+    files: dict,
+    written: list[tuple[str, str, list[str]]],
 ) -> dict:
-    """What a checkpoint's manifest.json says (MANIFEST_TYPES lists its keys)."""
+    """What a checkpoint's manifest.json says (MANIFEST_TYPES lists its keys); `written`: each
+    world rank's (file, sha256, the layers it wrote a slice of), in rank order."""
+    layers = {
+        layer.name: {"shapes": {k: list(v) for k, v in layer.whole_shapes.items()}, "ranks": []}
+        for layer in whole_model(strategy).layers
+    }
+    for rank, (_, _, names) in enumerate(written):
+        for name in names:
+            layers[name]["ranks"].append(rank)
     return {
         "format": FORMAT,
         "strategy": strategy.name,
-        "world_size": strategy.comm.size,
+        "world_size": len(written),
         "step": step,
         "model_config": model_config,
         "train_config": train_config,
         "optimizer_steps": strategy.optimizer.t,
         "loss_scaler": scaler_state(strategy),
-        "layers": {
-            layer.name: {k: list(v) for k, v in layer.shapes.items()}
-            for layer in strategy.model.layers
-        },
+        "layers": layers,
         "rng": rng.get_state(),
         "files": files,
     }
@@ -227,7 +299,7 @@ def _move_into_place(partial: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _agree_on_io(comm: Comm, work, where: Path):
+def _agree_on_io(comm: Comm | MeshRanks, work, where: Path):
     """Run file work on every rank; an OSError on any rank is a CheckpointError on all."""
 
     def attempt():
@@ -314,8 +386,8 @@ def _validate(manifest, path: Path) -> None:
             raise bad(f"the manifest has no {key!r}")
         if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool) != (kind is bool):
             raise bad(f"{key!r} is {manifest[key]!r}, not a {kind.__name__}")
-    if manifest["format"] != FORMAT:
-        raise bad(f"format {manifest['format']}, this version reads format {FORMAT}")
+    if manifest["format"] not in (4, FORMAT):
+        raise bad(f"format {manifest['format']}, this version reads formats 4 and {FORMAT}")
     n, step = manifest["world_size"], manifest["step"]
     if n < 1 or step < 0 or manifest["optimizer_steps"] < 0:
         raise bad(f"world_size {n}, step {step}: out of range")
@@ -343,6 +415,35 @@ def _validate(manifest, path: Path) -> None:
     expected = {rank_file(r, n) for r in range(n)} | {"losses.npy"}
     if set(manifest["files"]) != expected:
         raise bad(f"its files {sorted(manifest['files'])} are not the {n} ranks' shards")
+    _check_layers(manifest, bad)
+
+
+def _check_layers(manifest: dict, bad: Callable[[str], CheckpointError]) -> None:
+    """Each layer's entry is its whole shapes and the distinct ranks that wrote its slices. A
+    format-4 manifest (before meshes) lists each layer's shapes: all N ranks wrote every layer,
+    unless zero3 saved units of several layers (--layers-per-unit), which this version refuses."""
+    n, units = manifest["world_size"], manifest["train_config"].get("layers_per_unit", 1)
+    if manifest["format"] == 4:
+        if "layers_per_unit" in STRATEGY_CLASSES[manifest["strategy"]].options and units > 1:
+            raise bad(
+                f"format 4 with --layers-per-unit {units} saves units, not layers: resume it "
+                f"with the version that saved it, or start afresh"
+            )
+        manifest["layers"] = {
+            name: {"shapes": shapes, "ranks": list(range(n))}
+            for name, shapes in manifest["layers"].items()
+        }
+    for name, entry in manifest["layers"].items():
+        ranks = entry.get("ranks") if isinstance(entry, dict) else None
+        if not (
+            isinstance(ranks, list)
+            and isinstance(entry.get("shapes"), dict)
+            and ranks
+            and all(type(r) is int and 0 <= r < n for r in ranks)
+            and len(set(ranks)) == len(ranks)
+        ):
+            what = repr(entry)[:200]
+            raise bad(f"layer {name!r} is {what}, not its shapes and the ranks that wrote it")
 
 
 def check_compatible(
@@ -350,15 +451,17 @@ def check_compatible(
 ) -> None:
     """Refuse a checkpoint of another model or run, or of another layout without reshard=True."""
     layers = {
-        layer.name: {k: list(v) for k, v in layer.shapes.items()} for layer in strategy.model.layers
+        layer.name: {k: list(v) for k, v in layer.whole_shapes.items()}
+        for layer in whole_model(strategy).layers
     }
-    if manifest["model_config"] != model_config or manifest["layers"] != layers:
+    saved_layers = {name: entry["shapes"] for name, entry in manifest["layers"].items()}
+    if manifest["model_config"] != model_config or saved_layers != layers:
         raise CheckpointError(
             f"the checkpoint is of another model ({manifest['model_config']}), not "
             f"{model_config}: resume with the flags it was saved with"
         )
-    # the units are a layout, as the strategy and N are: they are compared below
-    may_change = MAY_CHANGE | {"layers_per_unit"} | ({"batch"} if reshard else set())
+    # the layout's options are compared below, as the strategy and N are
+    may_change = MAY_CHANGE | set(LAYOUT) | ({"batch"} if reshard else set())
     differ = {
         k
         for k, v in train_config.items()
@@ -370,22 +473,13 @@ def check_compatible(
         raise CheckpointError(
             f"the checkpoint was saved with {saved}: resume with the same settings{hint}"
         )
-    saved_units = manifest["train_config"].get("layers_per_unit", 1)
-    units = train_config.get("layers_per_unit", 1)
-    same_layout = (manifest["strategy"], manifest["world_size"], saved_units) == (
-        strategy.name,
-        strategy.comm.size,
-        units,
-    )
-    if not same_layout and not reshard:
-
-        def with_units(k: int) -> str:
-            return "" if k == 1 else f" with --layers-per-unit {k}"
-
+    saved = layout_of(manifest["strategy"], manifest["train_config"])
+    this = layout_of(strategy.name, train_config)
+    n = MeshRanks(strategy).size
+    if (saved, manifest["world_size"]) != (this, n) and not reshard:
         raise CheckpointError(
-            f"the checkpoint was saved by {manifest['strategy']}{with_units(saved_units)} on "
-            f"{manifest['world_size']} ranks, this run is {strategy.name}{with_units(units)} on "
-            f"{strategy.comm.size}: pass --reshard to convert it"
+            f"the checkpoint was saved by {saved} on {manifest['world_size']} ranks, this run "
+            f"is {this} on {n}: pass --reshard to convert it"
         )
     if manifest["step"] > train_config["steps"]:  # equal is fine: evaluate and sample
         raise CheckpointError(
@@ -394,77 +488,75 @@ def check_compatible(
         )
 
 
-def saved_layout(manifest: dict, model) -> dict[str, tuple[tuple[str, ...], FlatParam]]:
-    """How a checkpoint lays out its state: each saved name (a layer, or a zero3 unit of
-    --layers-per-unit K layers) -> (its layers, its FlatParam over the saved N ranks)."""
-    n, k = manifest["world_size"], manifest["train_config"].get("layers_per_unit", 1)
-    if "layers_per_unit" in STRATEGY_CLASSES[manifest["strategy"]].options and k > 1:
-        return {unit.name: (unit.layers, unit.flat) for unit in make_units(model.layers, k, n)}
-    return {layer.name: ((layer.name,), FlatParam(layer.shapes, n)) for layer in model.layers}
+def layout_of(strategy: str, train_config: dict) -> str:
+    """'zero3 with --layers-per-unit 2 --tp 2': the strategy and the options of LAYOUT set."""
+    sizes = {flag: train_config.get(key, 1) for key, flag in LAYOUT.items()}
+    flags = " ".join(f"{flag} {size}" for flag, size in sizes.items() if size != 1)
+    return f"{strategy} with {flags}" if flags else strategy
 
 
-def read_shard(path: Path, saved: dict, needed: set[str]) -> dict[str, np.ndarray]:
-    """One rank's file: every saved name's `needed` states ("fc1.m"), each checked to be the
-    float32 slice that layout says, before anything is built from it."""
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is a damaged checkpoint ({what}): resume from another one or start afresh"
+    )
 
-    def damaged(what: str) -> CheckpointError:
-        return CheckpointError(
-            f"{path} is a damaged checkpoint ({what}): resume from another one or start afresh"
+
+def _reason(err: Exception) -> str:
+    """An exception's first line, short, or its type's name."""
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+
+
+def read_slice(path: Path, f: np.lib.npyio.NpzFile, key: str, size: int) -> np.ndarray:
+    """One saved slice of rank file `f` (at path), checked to be float32 of shape (size,)."""
+    if key not in f:
+        raise CheckpointError(
+            f"{path.parent}: the shards lack {key}: resume with the same optimizer"
         )
-
-    arrays = {}
     try:
-        with np.load(path) as f:  # allow_pickle=False: an object array is refused, not run
-            missing = sorted(
-                f"{name}.{what}" for name in saved for what in needed if f"{name}.{what}" not in f
-            )
-            if missing:
-                raise CheckpointError(
-                    f"{path.parent}: the shards lack {missing}: resume with the same optimizer"
-                )
-            for name, (_, flat) in saved.items():
-                for what in needed:
-                    key = f"{name}.{what}"
-                    array = f[key]
-                    if array.dtype != np.float32 or array.shape != (flat.shard_size,):
-                        raise damaged(
-                            f"{key} is {array.dtype} of shape {array.shape}, not float32 of "
-                            f"shape ({flat.shard_size},)"
-                        )
-                    arrays[key] = array
-    except CheckpointError:
-        raise
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
-        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise damaged(f"it cannot be read: {reason}") from None
-    return arrays
+        array = f[key]
+    except READ_ERRORS as err:
+        raise _damaged(path, f"it cannot be read: {_reason(err)}") from None
+    if array.dtype != np.float32 or array.shape != (size,):
+        raise _damaged(
+            path, f"{key} is {array.dtype} of shape {array.shape}, not float32 of shape ({size},)"
+        )
+    return array
 
 
-def to_layers(shards: list[dict], saved: dict, needed: set[str]) -> dict[str, np.ndarray]:
-    """Every layer's whole (unpadded) vector of every state ("fc1.m"), from the slices of any
-    N ranks. A unit's vector is its layers' vectors one after another (units.py), so a
-    checkpoint of zero3 units converts to layers by cutting it."""
-    vectors = {}
-    for name, (layers, flat) in saved.items():
-        sizes = _layer_sizes(flat, layers)
-        for what in needed:
-            whole = np.concatenate([shard[f"{name}.{what}"] for shard in shards])[: flat.numel]
-            start = 0
-            for layer in layers:
-                vectors[f"{layer}.{what}"] = whole[start : start + sizes[layer]]
-                start += sizes[layer]
+def open_rank_file(path: Path) -> np.lib.npyio.NpzFile:
+    """A rank's .npz file, opened to read its arrays one at a time."""
+    try:
+        f = np.load(path)  # allow_pickle=False: an object array is refused, not run
+    except READ_ERRORS as err:
+        raise _damaged(path, f"it cannot be read: {_reason(err)}") from None
+    if not isinstance(f, np.lib.npyio.NpzFile):
+        raise _damaged(path, "not an .npz file of arrays")
+    return f
+
+
+def read_pieces(directory: Path, manifest: dict, model, needed: set[str]) -> dict[str, np.ndarray]:
+    """Every needed state ("fc1.m") of each of model's layers (a Stage's: its own) as this
+    rank's flat piece: the whole layer joined from the slices of the ranks that wrote it, then
+    cut (layer.piece), one whole layer at a time."""
+    n, vectors, opened = manifest["world_size"], {}, {}
+    with contextlib.ExitStack() as files:
+        for layer in model.layers:
+            ranks = manifest["layers"][layer.name]["ranks"]
+            for r in ranks:
+                if r not in opened:
+                    opened[r] = files.enter_context(open_rank_file(directory / rank_file(r, n)))
+            flat = FlatParam(layer.whole_shapes, len(ranks))
+            for what in needed:
+                key = f"{layer.name}.{what}"
+                slices = [
+                    read_slice(directory / rank_file(r, n), opened[r], key, flat.shard_size)
+                    for r in ranks
+                ]
+                vector = np.concatenate(slices)[: flat.numel]
+                if layer.split:  # this rank's piece, flat as its own FlatParam lays it out
+                    vector = FlatParam(layer.shapes).flatten(layer.piece(flat.views(vector)))
+                vectors[key] = vector
     return vectors
-
-
-def _layer_sizes(flat: FlatParam, layers: tuple[str, ...]) -> dict[str, int]:
-    """Each layer's number of parameters in a flat layout: a layer's own ("W", "b") or a
-    unit's ("fc1.W", "fc1.b", "fc2.W", ...)."""
-    if len(layers) == 1:
-        return {layers[0]: flat.numel}
-    return {
-        layer: sum(n for key, n in flat.sizes.items() if key.rsplit(".", 1)[0] == layer)
-        for layer in layers
-    }
 
 
 def to_layout(vectors: dict[str, np.ndarray], strategy: Strategy) -> dict[str, np.ndarray]:
@@ -523,20 +615,16 @@ def load_checkpoint(
 ) -> dict:
     """Load params, optimizer state and RNG into this run; return the manifest (and losses).
 
-    Every rank reads every shard file and rebuilds each array's whole vector (so any N can
-    load any N); the strategy keeps what it keeps.
+    Every rank rebuilds its layers' whole vectors from the files of the ranks that wrote them
+    (so any mesh can load any mesh), and cuts its pieces; the strategy keeps what it keeps.
     """
     found = find_checkpoint(directory)
     if found is None:
         read_manifest(directory)  # raises the reason the directory itself is no checkpoint
     manifest = read_manifest(found)
     check_compatible(manifest, strategy, model_config, train_config, reshard)
-    saved = saved_layout(manifest, strategy.model)
     needed = {key.rsplit(".", 1)[1] for key in strategy.local_state()}  # params, m, v
-    n = manifest["world_size"]
-    shards = [read_shard(found / rank_file(r, n), saved, needed) for r in range(n)]
-    vectors = to_layout(to_layers(shards, saved, needed), strategy)
-    del shards  # the whole vectors are views of them, or copies
+    vectors = to_layout(read_pieces(found, manifest, strategy.model, needed), strategy)
     manifest["losses"] = read_losses(found, manifest["step"])
     _check_rng_state(manifest["rng"], found)
     strategy.load_state(vectors, manifest["optimizer_steps"])

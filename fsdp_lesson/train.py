@@ -16,7 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    MeshRanks,
+    find_checkpoint,
+    layout_of,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .comm import Comm, raise_on_every_rank, ranks_on_this_host, same_everywhere
 from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import (
@@ -481,21 +488,15 @@ def prepare(
             "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
             "replica group would save its copy; save or resume without --replicate"
         )
-    check_mesh(tc, rc)
+    check_mesh(tc)
     check_memory(model_config, tc, comm, None if data else rc.data or DEFAULT_PATH)
     return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
 
 
-def check_mesh(tc: TrainConfig, rc: RunConfig) -> None:
+def check_mesh(tc: TrainConfig) -> None:
     """Refuse what a mesh (--tp, --pp) does not do yet, each with what to do instead."""
     sizes = {"--tp": tc.tp, "--pp": tc.pp}
     flags = " ".join(f"{flag} {size}" for flag, size in sizes.items() if size > 1)
-    if flags and (rc.save_every or rc.resume):
-        raise ConfigError(
-            f"checkpoints of {flags} are not supported yet: each rank holds a piece or a stage"
-            " of the model, which the checkpoint layout does not record; save or resume without"
-            " --tp and --pp"
-        )
     if flags and tc.clip_grad_norm is not None:
         raise ConfigError(
             f"--clip-grad-norm with {flags} is not supported yet: the norm would count only this"
@@ -514,8 +515,9 @@ def check_mesh(tc: TrainConfig, rc: RunConfig) -> None:
 
 
 def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int:
-    """Load rc.resume into strategy and rng, carry its losses into history; the step it was at."""
-    comm = strategy.comm
+    """Load rc.resume into strategy and rng, carry its losses into history; the step it was at.
+    Every rank of the mesh agrees (the strategy's Comm spans only the data-parallel ranks)."""
+    comm = MeshRanks(strategy)
     manifest = raise_on_every_rank(
         comm,
         lambda: load_checkpoint(
@@ -541,6 +543,7 @@ def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int
         "strategy": manifest["strategy"],
         "world_size": manifest["world_size"],
         "batch": manifest["train_config"]["batch"],
+        "layout": layout_of(manifest["strategy"], manifest["train_config"]),
     }
     return first_step
 
