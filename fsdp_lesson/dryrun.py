@@ -232,8 +232,6 @@ def dry_run(
     have the same shapes (padded), so rank 0's ledger is every rank's. With pp = P, the model
     is pipeline rank `stage`'s Stage and the step pipeline_step's: each of the `accum`
     micro-batches split in `micro_batches`, run in `schedule`'s order (pipeline.py)."""
-    if pp > 1 and recompute:
-        raise ValueError("pipeline_step does not recompute: a stage keeps every activation")
     replicate = options.get("replicate", 1)
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
     model = DryModel(MLP(model_config, DryComm(tp) if tp > 1 else None), log)
@@ -251,7 +249,7 @@ def dry_run(
     if log is not None:  # the step's events from here on
         log.strategy = built
     if pp > 1:
-        pipeline_step(model, built, model.pp, X, Y, M, schedule)
+        pipeline_step(model, built, model.pp, X, Y, M, schedule, recompute=recompute)
     else:
         train_step(model, built, X, Y, M, recompute)
     return ledger

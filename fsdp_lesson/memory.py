@@ -96,6 +96,7 @@ class Activations:
         self.prefix = prefix  # before every label: "m2 " when micro-batches overlap (pipeline.py)
         self.caches: list[tuple[str, object]] = []
         self.dying: list[str] = []  # labels to free at the next gradient
+        self.grad: np.ndarray | None = None  # the gradient flowing back: the latest one
 
     def push(self, label: str, cache) -> None:
         label = self.prefix + label
@@ -117,16 +118,19 @@ class Activations:
         return cache
 
     def gradient(self, label: str, dx: np.ndarray | None) -> np.ndarray | None:
-        """dx now exists (None: the embedding passes no gradient on); free what it replaces."""
+        """dx now exists (None: the embedding passes no gradient on), the gradient flowing
+        back from here (`grad`, the only reference a caller needs to keep); free what it
+        replaces."""
         label = self.prefix + label
         self.ledger.hold("activations", label, 0 if dx is None else dx.nbytes)
         for old in self.dying:
             self.ledger.free(old)
         self.dying = [label]
+        self.grad = dx
         return dx
 
     def clear(self) -> None:
         """Free the last gradient: the step's activations are gone."""
         for old in self.dying:
             self.ledger.free(old)
-        self.dying = []
+        self.dying, self.grad = [], None

@@ -27,6 +27,7 @@ from .comm import Comm, gather_objects
 from .config import SCHEDULES, ConfigError
 from .memory import Activations
 from .model import MLP, Params, softmax
+from .passes import backward, forward
 from .requests import Sending
 from .rng import Rng
 from .strategies.base import Strategy
@@ -131,12 +132,13 @@ class StageStep:
         Y: np.ndarray,
         M: int,
         record: Record | None,
+        recompute: bool = False,
     ) -> None:
         self.stage, self.strategy, self.pp, self.ledger = stage, strategy, pp, strategy.ledger
+        self.recompute = recompute  # keep each block's input only; backward recomputes the rest
         self.xs, self.ys = np.split(X, M), np.split(Y, M)  # (B/M, seq_len), (B/M,) each
         self.rows = len(Y)  # the loss is the mean over all the step's rows, as train_step's
         self.acts: dict[int, Activations] = {}  # micro-batch -> what its backward needs
-        self.dlogits: dict[int, np.ndarray] = {}  # last stage: the gradient its backward starts
         self.sending: list[tuple[Sending, Callable[[], None]]] = []  # (send, free its buffer)
         self.losses: list[float] = []
         self.record, self.t0 = record, perf_counter()
@@ -159,9 +161,9 @@ class StageStep:
         self.sending = []
 
     def forward(self, m: int) -> None:
-        """Micro-batch m through this stage's layers, each cache kept; the output sent on, or
-        on the last stage the loss and its gradient (kept for the backward)."""
-        stage, strategy, pp = self.stage, self.strategy, self.pp
+        """Micro-batch m through this stage's layers, what backward needs kept; the output sent
+        on, or on the last stage the loss and its gradient (kept for the backward)."""
+        stage, pp = self.stage, self.pp
         if stage.is_first:
             x = self.xs[m]  # (B/M, seq_len) tokens
             self.finish_sends()
@@ -169,15 +171,10 @@ class StageStep:
             x = self.receive(stage.in_width, m, pp.rank - 1, "act")  # (B/M, in_width)
         start, acts = perf_counter(), Activations(self.ledger, prefix=f"m{m} ")
         self.acts[m] = acts
-        strategy.begin_phase("forward")
-        for layer in stage.layers:
-            p = strategy.materialize(layer)
-            x, cache = layer.forward(p, x)
-            acts.push(layer.name, cache)
-            strategy.release(layer)
-        if stage.is_last:  # x: the logits (B/M, V)
+        x = forward(stage, self.strategy, x, acts, self.recompute)
+        if stage.is_last:  # x: the logits (B/M, V); their gradient waits in acts for backward
             loss, cache = stage.loss.forward(x, self.ys[m])
-            self.dlogits[m] = acts.gradient("dlogits", stage.loss.backward(cache, rows=self.rows))
+            acts.gradient("dlogits", stage.loss.backward(cache, rows=self.rows))
             self.losses.append(loss)
         else:  # x: (B/M, out_width), counted until the send is done
             label = f"m{m} sent"
@@ -188,25 +185,18 @@ class StageStep:
     def backward(self, m: int) -> None:
         """Micro-batch m's backward through this stage, its gradients added to the strategy's;
         the gradient of the stage's input sent back (none on the first stage: tokens)."""
-        stage, strategy, pp, acts = self.stage, self.strategy, self.pp, self.acts.pop(m)
-        if stage.is_last:
-            dx = self.dlogits.pop(m)  # (B/M, V)
+        stage, pp, acts = self.stage, self.pp, self.acts.pop(m)
+        if stage.is_last:  # acts holds the loss's gradient (B/M, V)
             self.finish_sends()
         else:
-            dx = acts.gradient("d_out", self.receive(stage.out_width, m, pp.rank + 1, "grad"))
+            acts.gradient("d_out", self.receive(stage.out_width, m, pp.rank + 1, "grad"))
         start = perf_counter()
-        strategy.begin_micro_batch(m)  # the first backward writes the gradients, later ones add
-        strategy.begin_phase("backward")
-        for layer in reversed(stage.layers):
-            p = strategy.materialize(layer)
-            dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
-            acts.gradient(f"d_in {layer.name}", dx)
-            strategy.reduce_grads(layer)
-            strategy.release(layer)
+        self.strategy.begin_micro_batch(m)  # the first backward writes the gradients, later add
+        backward(stage, self.strategy, acts, self.recompute)
         if stage.is_first:
             acts.clear()
-        else:  # dx: (B/M, in_width), counted until the send is done
-            self.send(dx, pp.rank - 1, f"grad m{m}", acts.clear)
+        else:  # acts.grad: (B/M, in_width), counted until the send is done
+            self.send(acts.grad, pp.rank - 1, f"grad m{m}", acts.clear)
         self.note(m, "B", start)
 
     def note(self, m: int, kind: str, start: float) -> None:
@@ -246,13 +236,15 @@ def pipeline_step(
     micro_batches: int = 1,
     schedule: str = "gpipe",
     record: Record | None = None,
+    recompute: bool = False,
 ) -> float:
     """One training step of this stage on this rank's rows X (B, seq_len), Y (B,): the
     schedule's forwards and backwards of M micro-batches, then the strategy's update. Returns
     this rank's loss (the mean over its B rows, computed on the last stage) on every stage.
-    With `record`, each op's (micro-batch, "F"/"B", start, end) in seconds from the step's start."""
+    With `record`, each op's (micro-batch, "F"/"B", start, end) in seconds from the step's start;
+    with recompute, each micro-batch keeps only its blocks' inputs until its backward."""
     check_pipeline(stage, strategy, pp, micro_batches, schedule, len(Y))
-    step = StageStep(stage, strategy, pp, X, Y, micro_batches, record)
+    step = StageStep(stage, strategy, pp, X, Y, micro_batches, record, recompute)
     for kind, m in schedule_ops(schedule, pp.size, pp.rank, micro_batches):
         step.forward(m) if kind == "F" else step.backward(m)
     step.finish_sends()
@@ -275,10 +267,7 @@ def pipeline_forward(stage: Stage, strategy: Strategy, pp: Comm, x: np.ndarray):
     (every stage is given x; the first reads it). Nothing is kept for a backward."""
     if not stage.is_first:
         x = pp.recv(np.empty((len(x), stage.in_width), np.float32), pp.rank - 1, "act")
-    strategy.begin_phase("forward")
-    for layer in stage.layers:
-        x, _ = layer.forward(strategy.materialize(layer), x)
-        strategy.release(layer)
+    x = forward(stage, strategy, x)
     if stage.is_last:
         return x
     pp.send(x, pp.rank + 1, "act").wait()

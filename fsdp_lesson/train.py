@@ -40,44 +40,11 @@ from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .mesh import Mesh
 from .model import MLP, Params, softmax
 from .optim import make_optimizer
+from .passes import backward, forward
 from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, pipeline_step
 from .rng import Rng, make_rng
 from .sharding import is_sharded
 from .strategies import STRATEGY_CLASSES, Strategy, make_strategy, strategy_options
-
-
-def forward(
-    model: MLP,
-    strategy: Strategy,
-    x: np.ndarray,
-    acts: Activations | None = None,
-    recompute: bool = False,
-):
-    """Run every layer on x; return the logits. With acts, keep what backward will need:
-    every layer's cache, or with recompute only each block's input (the first layer's cache)."""
-    strategy.begin_phase("forward")
-    for layer in model.layers:
-        p = strategy.materialize(layer)
-        x, cache = layer.forward(p, x)
-        if acts is not None:
-            acts.push(layer.name, cache)
-            if recompute and layer.name not in model.block_inputs:
-                acts.drop()  # backward computes it again from the block's input
-        strategy.release(layer)
-    return x
-
-
-def recompute_block(strategy: Strategy, block: list, acts: Activations) -> None:
-    """Run a block's forward again from its kept input, pushing the caches forward dropped.
-
-    Every layer's cache is its input (model.py), so the kept cache is where to start and each
-    output is the next layer's cache; the last layer's output is not needed. The parameters
-    stay materialized for the backward that follows (zero3: no gather beyond backward's own).
-    """
-    x = acts.top()
-    for layer, following in zip(block[:-1], block[1:], strict=True):
-        x, _ = layer.forward(strategy.materialize(layer), x)
-        acts.push(following.name, x)
 
 
 def train_step(
@@ -100,19 +67,9 @@ def train_step(
         acts = Activations(strategy.ledger)
         logits = forward(model, strategy, x, acts, recompute)
         loss, loss_cache = model.loss.forward(logits, y)
-        dlogits = model.loss.backward(loss_cache, rows=len(Y))  # in place in the probs
-        dx = acts.gradient("dlogits", dlogits)
-        del logits, loss_cache, dlogits  # no stray references: the ledger's frees are real
-        strategy.begin_phase("backward")
-        for block in reversed(model.blocks):
-            if recompute:
-                recompute_block(strategy, block, acts)
-            for layer in reversed(block):
-                p = strategy.materialize(layer)
-                dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
-                acts.gradient(f"d_in {layer.name}", dx)
-                strategy.reduce_grads(layer)
-                strategy.release(layer)
+        acts.gradient("dlogits", model.loss.backward(loss_cache, rows=len(Y)))  # in the probs
+        del logits, loss_cache  # no stray references: the ledger's frees are real
+        backward(model, strategy, acts, recompute)  # from acts' gradient, layer by layer
         acts.clear()
         losses.append(loss)
     strategy.begin_phase("update")
@@ -127,7 +84,9 @@ def training_step(
     schedule (--pp); this rank's loss."""
     if isinstance(model, Stage):
         M = tc.accum * tc.micro_batches
-        return pipeline_step(model, strategy, model.pp, X, Y, M, tc.schedule)
+        return pipeline_step(
+            model, strategy, model.pp, X, Y, M, tc.schedule, recompute=tc.recompute
+        )
     return train_step(model, strategy, X, Y, tc.accum, tc.recompute)
 
 
@@ -501,11 +460,6 @@ def check_mesh(tc: TrainConfig) -> None:
         raise ConfigError(
             f"--clip-grad-norm with {flags} is not supported yet: the norm would count only this"
             " rank's pieces or stage; clip without --tp and --pp, or train without clipping"
-        )
-    if tc.pp > 1 and tc.recompute:
-        raise ConfigError(
-            "--recompute with --pp is not supported yet: the pipeline keeps every activation;"
-            " use --micro-batches (and --schedule 1f1b) to hold fewer at once"
         )
     if tc.pp > 1 and tc.precision == "fp16":
         raise ConfigError(

@@ -44,6 +44,7 @@ class Case:
     collectives: str = "mpi"
     steps: int = 30
     batch: int = 24
+    recompute: bool = False
 
 
 CASES = {
@@ -60,6 +61,7 @@ CASES = {
         for schedule in ("gpipe", "1f1b")
     },
     "p2-dp2-dp-m4-1f1b-ring": Case(4, 2, 4, "1f1b", "dp", collectives="ring", steps=5),
+    "p2-dp2-zero3-m2-1f1b-recompute": Case(4, 2, 2, "1f1b", "zero3", steps=10, recompute=True),
     "tp2-p2-dp2-zero2-m2-gpipe": Case(8, 2, 2, "gpipe", "zero2", tp=2, steps=20),
     "tp2-p2-dp2-zero2-m2-1f1b": Case(8, 2, 2, "1f1b", "zero2", tp=2, steps=20),
 }
@@ -75,6 +77,7 @@ def train_config(case: Case) -> TrainConfig:
         pp=case.pp,
         micro_batches=case.micro_batches,
         schedule=case.schedule,
+        recompute=case.recompute,
     )
 
 
@@ -105,7 +108,15 @@ def train_loop(case, mesh, stage, strategy, rng, data, failure=None) -> tuple[li
             failure(step)
         record.clear()
         loss = pipeline_step(
-            stage, strategy, mesh.pp, X, Y, case.micro_batches, case.schedule, record
+            stage,
+            strategy,
+            mesh.pp,
+            X,
+            Y,
+            case.micro_batches,
+            case.schedule,
+            record,
+            recompute=case.recompute,
         )
         losses.append(mesh.dp.mean_scalar(loss))
     return losses, list(record)

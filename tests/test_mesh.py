@@ -83,6 +83,7 @@ MESH_RUNS = [  # (ranks, flags): each must train single-rank training's model wi
     (4, ["--pp", "2", "--micro-batches", "4", "--strategy", "dp", "--schedule", "gpipe"]),
     (4, ["--pp", "2", "--micro-batches", "4", "--strategy", "dp", "--schedule", "1f1b"]),
     (8, ["--tp", "2", "--pp", "2", "--strategy", "zero2", "--micro-batches", "2"]),
+    (4, ["--pp", "2", "--micro-batches", "2", "--strategy", "zero3", "--recompute"]),
 ]
 SHORT = ["--steps", "20", "--batch", "24", "--eval-batches", "5", "--samples", "3"]
 
@@ -123,7 +124,6 @@ def test_a_mesh_trains_single_rank_trainings_model(n, flags, tmp_path):
     [
         (dict(pp=2, clip_grad_norm=1.0), "--clip-grad-norm with --pp 2"),
         (dict(tp=2, clip_grad_norm=1.0), "--clip-grad-norm with --tp 2"),
-        (dict(pp=2, recompute=True), "--recompute with --pp is not supported yet"),
         (dict(pp=2, precision="fp16"), "use --precision bf16"),
     ],
 )

@@ -257,6 +257,7 @@ def check_ledgers(results: dict) -> None:
                 stage=mine["stage"],
                 micro_batches=c["micro_batches"],
                 schedule=c["schedule"],
+                recompute=c["recompute"],
             )
             assert mine["peak"] == want, f"{name} rank {rank}"
 
