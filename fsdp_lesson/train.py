@@ -418,6 +418,7 @@ def run(
         lambda: make_strategy(tc.strategy, model, optimizer, mesh.dp, ledger, **options),
         REFUSALS,
     )
+    strategy.precision.also_agree = (mesh.tp, mesh.pp)  # fp16's skipped steps, mesh-wide
     # layer by layer, each rank only what it holds
     raise_on_every_rank(comm, lambda: strategy.init_params(rng), REFUSALS)
     first_step = 0 if rc.resume is None else resume(rc, strategy, rng, history)
@@ -460,11 +461,6 @@ def check_mesh(tc: TrainConfig) -> None:
         raise ConfigError(
             f"--clip-grad-norm with {flags} is not supported yet: the norm would count only this"
             " rank's pieces or stage; clip without --tp and --pp, or train without clipping"
-        )
-    if tc.pp > 1 and tc.precision == "fp16":
-        raise ConfigError(
-            "--precision fp16 with --pp is not supported yet: each stage would decide alone to"
-            " skip a step after an overflow; use --precision bf16, which needs no loss scaling"
         )
 
 

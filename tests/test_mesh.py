@@ -84,13 +84,18 @@ MESH_RUNS = [  # (ranks, flags): each must train single-rank training's model wi
     (4, ["--pp", "2", "--micro-batches", "4", "--strategy", "dp", "--schedule", "1f1b"]),
     (8, ["--tp", "2", "--pp", "2", "--strategy", "zero2", "--micro-batches", "2"]),
     (4, ["--pp", "2", "--micro-batches", "2", "--strategy", "zero3", "--recompute"]),
+    (4, ["--pp", "2", "--micro-batches", "2", "--strategy", "zero2", "--accum", "2"]),
+    (4, ["--tp", "2", "--pp", "2", "--micro-batches", "2", "--precision", "fp16"]),
+    (4, ["--pp", "2", "--micro-batches", "2", "--strategy", "zero3", "--precision", "bf16"]),
 ]
 SHORT = ["--steps", "20", "--batch", "24", "--eval-batches", "5", "--samples", "3"]
+SAME_MODEL = ("accum", "precision")  # the flags single-rank training must share to compare
 
 
 @cache
-def single_run():
+def single_run(accum: int = 1, precision: str = "fp32"):
     config = TrainConfig(steps=20, batch=24, eval_batches=5, samples=3)
+    config = TrainConfig(**(config.to_dict() | {"accum": accum, "precision": precision}))
     return run(ModelConfig(), config, data=Dataset.load())
 
 
@@ -105,11 +110,17 @@ def test_a_mesh_trains_single_rank_trainings_model(n, flags, tmp_path):
     for key in saved.files:
         layer, name = key.split(".")
         params.setdefault(layer, {})[name] = saved[key]
-    history, strategy = single_run()
+    shared = {key: record["train_config"][key] for key in SAME_MODEL}
+    history, strategy = single_run(**shared)
     whole = strategy.full_params()
     assert {(layer, k) for layer in whole for k in whole[layer]} == {
         (layer, k) for layer in params for k in params[layer]
     }, "params.npz holds every whole layer"
+    assert record["skipped_steps"] == history.skipped_steps  # fp16: skipped together
+    if shared["precision"] != "fp32":  # 16 bits round at every hop: test_levers' tolerance
+        relative = np.abs(np.array(record["losses"]) - history.losses) / history.losses
+        assert relative.max() <= 2**-8, f"loss differs by {relative.max():.1e} (relative)"
+        return
     assert_same_as_single(" ".join(flags), record | {"params": params}, history, whole)
     assert abs(record["val_loss"] - history.val_loss) <= 1e-5
     kinds = set(record["traffic"][0])
@@ -124,7 +135,6 @@ def test_a_mesh_trains_single_rank_trainings_model(n, flags, tmp_path):
     [
         (dict(pp=2, clip_grad_norm=1.0), "--clip-grad-norm with --pp 2"),
         (dict(tp=2, clip_grad_norm=1.0), "--clip-grad-norm with --tp 2"),
-        (dict(pp=2, precision="fp16"), "use --precision bf16"),
     ],
 )
 def test_what_a_mesh_does_not_do_yet_is_refused(settings, words):
@@ -168,3 +178,28 @@ def test_a_replicated_layer_that_drifts_between_tensor_parallel_ranks_is_caught(
     result = mpiexec(2, "-c", DRIFT, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout) == ["replicated state differs between ranks: emb.W (tp)"] * 2
+
+
+OVERFLOW = """
+import json
+import numpy as np
+from fsdp_lesson.comm import Comm
+from fsdp_lesson.memory import MemoryLedger
+from fsdp_lesson.precision import Precision
+world = Comm.world()
+precision = Precision("fp16", MemoryLedger())
+precision.also_agree = (world,)  # as a pipeline's pp: each rank one stage
+grads = [np.array([np.inf if world.rank == 1 else 1.0], np.float16)]  # stage 1 overflows alone
+skipped = precision.overflowed(Comm(), grads)  # the strategy's own ranks: this one alone
+everyone = world.allgather_objects([skipped, precision.scaler.scale])
+if world.rank == 0:
+    print(json.dumps(everyone))
+"""
+
+
+@pytest.mark.mpi
+def test_an_overflow_on_one_stage_skips_the_step_on_every_stage():
+    """fp16 with --pp or --tp: every rank skips the step and halves the scale together."""
+    result = mpiexec(2, "-c", OVERFLOW, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == [[True, 2.0**15]] * 2
