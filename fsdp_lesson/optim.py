@@ -111,16 +111,17 @@ class Adam(Optimizer):
         flush_subnormals(v, scratch=g)
 
 
-def clip_coefficient(grads, max_norm: float, over=None, loss_scale: float = 1.0) -> float:
-    """min(1, max_norm / (norm + 1e-6)), the norm taken over the whole model's gradient
-    (torch.nn.utils.clip_grad_norm_). `grads` are this rank's: its shards, whose squares the
-    Comm `over` (the ranks that share out the model) sums in one allreduce; or, over=None,
-    whole gradients, alike on every rank. Each rank clipping its own shard by its own norm
-    would train another model. `loss_scale`: fp16's gradients are still scaled by it."""
-    squares = sum(float(np.einsum("i,i->", g, g, dtype=np.float64)) for g in grads)
-    if over is not None and over.size > 1:
-        squares = over.mean_scalar(squares) * over.size  # the sum over the shards
+def clip_coefficient(squares: float, max_norm: float, loss_scale: float = 1.0) -> float:
+    """min(1, max_norm / (norm + 1e-6)), the norm the square root of `squares`, the sum of the
+    whole model's squared gradient (torch.nn.utils.clip_grad_norm_; Strategy.clip_grads adds
+    it up over the ranks that share the model out). `loss_scale`: fp16's gradients are still
+    scaled by it."""
     return min(1.0, max_norm / (np.sqrt(squares) / loss_scale + 1e-6))
+
+
+def squares(g: np.ndarray) -> float:
+    """Σ g², accumulated in float64."""
+    return float(np.einsum("i,i->", g, g, dtype=np.float64))
 
 
 def make_optimizer(name: str, lr: float) -> SGD | Adam:

@@ -418,7 +418,7 @@ def run(
         lambda: make_strategy(tc.strategy, model, optimizer, mesh.dp, ledger, **options),
         REFUSALS,
     )
-    strategy.precision.also_agree = (mesh.tp, mesh.pp)  # fp16's skipped steps, mesh-wide
+    strategy.in_mesh(mesh.tp, mesh.pp)  # clipping and fp16's skipped steps: mesh-wide
     # layer by layer, each rank only what it holds
     raise_on_every_rank(comm, lambda: strategy.init_params(rng), REFUSALS)
     first_step = 0 if rc.resume is None else resume(rc, strategy, rng, history)
@@ -448,20 +448,8 @@ def prepare(
             "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
             "replica group would save its copy; save or resume without --replicate"
         )
-    check_mesh(tc)
     check_memory(model_config, tc, comm, None if data else rc.data or DEFAULT_PATH)
     return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
-
-
-def check_mesh(tc: TrainConfig) -> None:
-    """Refuse what a mesh (--tp, --pp) does not do yet, each with what to do instead."""
-    sizes = {"--tp": tc.tp, "--pp": tc.pp}
-    flags = " ".join(f"{flag} {size}" for flag, size in sizes.items() if size > 1)
-    if flags and tc.clip_grad_norm is not None:
-        raise ConfigError(
-            f"--clip-grad-norm with {flags} is not supported yet: the norm would count only this"
-            " rank's pieces or stage; clip without --tp and --pp, or train without clipping"
-        )
 
 
 def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int:

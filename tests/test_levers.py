@@ -190,11 +190,11 @@ def test_clip_factor_is_torchs_and_each_shard_alone_would_be_wrong():
     comm, config = Comm.world(), ModelConfig()
     model = MLP(config)
     strategy = make_strategy("single", model, make_optimizer("sgd", 0.1), comm, MemoryLedger())
-    grads = [np.full(4, 3.0, np.float32), np.full(1, 4.0, np.float32)]  # norm sqrt(36 + 16)
+    grads = {"a": np.full(4, 3.0, np.float32), "b": np.full(1, 4.0, np.float32)}  # sqrt(52)
     strategy.clip_grad_norm = 1.0
     strategy.clip_grads(grads, over=None)
     assert strategy.clip_factor == pytest.approx(1.0 / (np.sqrt(52.0) + 1e-6), rel=1e-12)
-    strategy.clip_grads(grads[:1], over=None)  # one shard's norm alone: 6, not sqrt(52)
+    strategy.clip_grads({"a": grads["a"]}, over=None)  # one shard's norm alone: 6, not sqrt(52)
     assert strategy.clip_factor == pytest.approx(1.0 / (6.0 + 1e-6), rel=1e-12)
     strategy.clip_grad_norm = 100.0
     strategy.clip_grads(grads, over=None)

@@ -3,7 +3,6 @@
 CLI's meshes (--tp, --pp, both) train single-rank training's model; what they refuse."""
 
 import json
-import re
 import sys
 from functools import cache
 from pathlib import Path
@@ -18,7 +17,7 @@ from fsdp_lesson.comm import Comm  # noqa: E402
 from fsdp_lesson.config import ConfigError, ModelConfig, TrainConfig  # noqa: E402
 from fsdp_lesson.data import Dataset  # noqa: E402
 from fsdp_lesson.mesh import Mesh  # noqa: E402
-from fsdp_lesson.train import check_mesh, run  # noqa: E402
+from fsdp_lesson.train import run  # noqa: E402
 
 # for every (tp, pp), each rank's rank along each dimension and the world ranks there, on rank 0
 PLACES = """
@@ -87,15 +86,17 @@ MESH_RUNS = [  # (ranks, flags): each must train single-rank training's model wi
     (4, ["--pp", "2", "--micro-batches", "2", "--strategy", "zero2", "--accum", "2"]),
     (4, ["--tp", "2", "--pp", "2", "--micro-batches", "2", "--precision", "fp16"]),
     (4, ["--pp", "2", "--micro-batches", "2", "--strategy", "zero3", "--precision", "bf16"]),
+    (4, ["--tp", "2", "--strategy", "zero3", "--clip-grad-norm", "0.1"]),
+    (8, ["--tp", "2", "--pp", "2", "--strategy", "zero1", "--clip-grad-norm", "0.1"]),
 ]
 SHORT = ["--steps", "20", "--batch", "24", "--eval-batches", "5", "--samples", "3"]
-SAME_MODEL = ("accum", "precision")  # the flags single-rank training must share to compare
+SAME_MODEL = ("accum", "precision", "clip_grad_norm")  # what single-rank training must share
 
 
 @cache
-def single_run(accum: int = 1, precision: str = "fp32"):
-    config = TrainConfig(steps=20, batch=24, eval_batches=5, samples=3)
-    config = TrainConfig(**(config.to_dict() | {"accum": accum, "precision": precision}))
+def single_run(accum: int = 1, precision: str = "fp32", clip: float | None = None):
+    config = TrainConfig(steps=20, batch=24, eval_batches=5, samples=3, accum=accum)
+    config = TrainConfig(**(config.to_dict() | dict(precision=precision, clip_grad_norm=clip)))
     return run(ModelConfig(), config, data=Dataset.load())
 
 
@@ -111,7 +112,7 @@ def test_a_mesh_trains_single_rank_trainings_model(n, flags, tmp_path):
         layer, name = key.split(".")
         params.setdefault(layer, {})[name] = saved[key]
     shared = {key: record["train_config"][key] for key in SAME_MODEL}
-    history, strategy = single_run(**shared)
+    history, strategy = single_run(*shared.values())
     whole = strategy.full_params()
     assert {(layer, k) for layer in whole for k in whole[layer]} == {
         (layer, k) for layer in params for k in params[layer]
@@ -123,23 +124,14 @@ def test_a_mesh_trains_single_rank_trainings_model(n, flags, tmp_path):
         return
     assert_same_as_single(" ".join(flags), record | {"params": params}, history, whole)
     assert abs(record["val_loss"] - history.val_loss) <= 1e-5
+    if shared["clip_grad_norm"] is not None:  # and the clipping mattered
+        unclipped, _ = single_run(shared["accum"], shared["precision"])
+        assert np.abs(history.losses - unclipped.losses).max() > 1e-3, "clipping changed nothing"
     kinds = set(record["traffic"][0])
     if "--tp" in flags:
         assert "allreduce (tp)" in kinds or "allreduce" in kinds
     if "--pp" in flags:
         assert any(kind.startswith("send") for kind in kinds), kinds
-
-
-@pytest.mark.parametrize(
-    "settings, words",
-    [
-        (dict(pp=2, clip_grad_norm=1.0), "--clip-grad-norm with --pp 2"),
-        (dict(tp=2, clip_grad_norm=1.0), "--clip-grad-norm with --tp 2"),
-    ],
-)
-def test_what_a_mesh_does_not_do_yet_is_refused(settings, words):
-    with pytest.raises(ConfigError, match=re.escape(words)):
-        check_mesh(TrainConfig(**settings))
 
 
 @pytest.mark.mpi

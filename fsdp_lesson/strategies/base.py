@@ -26,7 +26,7 @@ from ..comm import Comm
 from ..flat import FlatParam
 from ..memory import MemoryLedger
 from ..model import MLP, Params
-from ..optim import clip_coefficient
+from ..optim import clip_coefficient, squares
 from ..precision import Precision
 from ..rng import Rng
 from ..sharding import ZERO_STAGE, is_sharded
@@ -36,6 +36,27 @@ def drawn_bytes(layer, whole: Params, piece: Params) -> int:
     """A layer's initial values, and the piece a split layer (tensor.py) copies from them."""
     copied = sum(a.nbytes for a in piece.values()) if layer.split else 0
     return sum(a.nbytes for a in whole.values()) + copied
+
+
+def model_squares(strategy: Strategy, grads: dict[str, np.ndarray], over: Comm | None) -> float:
+    """Σ g² over the whole model's gradient, on every rank: this rank's gradients (whole, or
+    its shards of `over`'s) added up over `over` and a mesh's tp and pp. What every tensor-
+    parallel rank holds whole (the embedding, a row layer's bias) counts 1/T on each, so once."""
+    tp, pp = strategy.mesh_comms or (None, None)
+    total = sum(squares(g) for g in grads.values())
+    if tp is not None and tp.size > 1:
+        for layer in strategy.model.layers:
+            name, keys = strategy.held_as(layer.name, {k: k for k in layer.shapes})
+            g, flat = grads[name], strategy.layout[name]
+            start = (0 if over is None else over.rank) * g.size  # where g lies in the flat
+            for key, first, end, _ in flat.spans:
+                lo, hi = max(start, first), min(start + g.size, end)
+                if key in keys and keys[key] not in layer.pieces and lo < hi:
+                    total -= (1 - 1 / tp.size) * squares(g[lo - start : hi - start])
+    for comm in (over, tp, pp):  # each rank holds a part: the sum over the parts
+        if comm is not None and comm.size > 1:
+            total = comm.mean_scalar(total) * comm.size
+    return total
 
 
 @dataclass(frozen=True)
@@ -55,6 +76,7 @@ class Strategy:
     # its own TrainConfig fields (zero3: FSDP's), and those a resume may change (bytes, not numbers)
     options: tuple[str, ...] = ()
     options_a_resume_may_change: frozenset[str] = frozenset()
+    mesh_comms: tuple[Comm, ...] = ()  # a mesh's tp and pp (in_mesh)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -85,25 +107,21 @@ class Strategy:
 
     def numel(self, flat: FlatParam, category: str) -> int:
         """How many elements of a layer's `category` this rank keeps (the sharding table): a
-        shard is 1/N of the padded vector; a whole vector is padded only where a collective
-        cuts it into N chunks (from zero1 on), so dp and single hold exactly numel."""
+        shard, 1/N of the padded vector; a whole vector, padded from zero1 on (cut into N)."""
         if is_sharded(self.stage, category):
             return flat.shard_size
         return flat.padded_numel if self.stage > 0 else flat.numel
 
     def alloc_per_layer(self, category: str, label: str) -> dict[str, np.ndarray]:
-        """One zeroed flat array per layer (params and grads in the run's precision), sized by
-        the table, counted by the ledger."""
-        return {
-            name: self.ledger.alloc(
-                category, self.numel(flat, category), f"{name}.{label}", self.dtype
-            )
-            for name, flat in self.layout.items()
-        }
+        """One zeroed flat array per layer, in the run's precision, sized by the table."""
+        arrays = {}
+        for name, flat in self.layout.items():
+            numel = self.numel(flat, category)
+            arrays[name] = self.ledger.alloc(category, numel, f"{name}.{label}", self.dtype)
+        return arrays
 
     def init_optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
-        """The optimizer's arrays per layer (Adam's m and v; the fp32 master in mixed
-        precision: optimizer state, as the ZeRO paper counts it), sized by the table."""
+        """The optimizer's arrays per layer (Adam's m, v; mixed: the fp32 master), by the table."""
         state = {}
         for name, flat in self.layout.items():
             numel, state[name] = self.numel(flat, "optimizer"), {}
@@ -119,9 +137,8 @@ class Strategy:
         raise NotImplementedError
 
     def local_state(self) -> dict[str, StateArray]:
-        """Everything that defines the model and the optimizer on this rank, by "layer.what":
-        not gradients (backward rewrites them), nor the step count (optimizer.t). Mixed
-        precision: the parameters are the fp32 master (the 16-bit copy derives from it)."""
+        """Everything that defines the model and the optimizer on this rank, by "layer.what" (not
+        gradients, nor optimizer.t); mixed precision: the params are the fp32 master."""
         state, optimizer_sharded = {}, is_sharded(self.stage, "optimizer")
         for name, params in self.param_arrays().items():
             state[f"{name}.params"] = StateArray(params, name, is_sharded(self.stage, "params"))
@@ -160,8 +177,7 @@ class Strategy:
             self.keep_initial(layer.name, layer.piece(params[layer.name]))
 
     def held_as(self, layer: str, arrays: Params) -> tuple[str, Params]:
-        """The layout entry that holds a layer's parameters, and the arrays keyed as its
-        FlatParam is (zero3: the layer's unit, keys "layer.param")."""
+        """The layout entry holding a layer's parameters, the arrays keyed as its FlatParam's."""
         return layer, arrays
 
     def keep_initial(self, layer: str, arrays: Params) -> None:
@@ -212,9 +228,8 @@ class Strategy:
         raise NotImplementedError
 
     def full_params(self, root: int | None = None) -> dict[str, Params]:
-        """Every whole layer's parameters as shaped copies, identical on all ranks (a collective,
-        over tp too: `layer.whole`), one layer at a time. With `root`, only that rank keeps them
-        (the others get {}): a model that fits only sharded is written out without a copy."""
+        """Every whole layer's parameters as shaped copies on all ranks (a collective, over tp too:
+        `layer.whole`), one layer at a time; with `root`, only that rank keeps them (others: {})."""
         out = {}
         self.begin_phase("forward")
         for layer in self.model.layers:
@@ -236,13 +251,17 @@ class Strategy:
         """Whether this micro-batch's backward reduces gradients ("last": only the last one)."""
         return self.accum_reduce == "every" or self.micro == self.accum - 1
 
-    def clip_grads(self, grads, over: Comm | None) -> None:
-        """--clip-grad-norm X: the factor this step's gradients are scaled by in update, from
-        the whole model's norm (optim.clip_coefficient; `over`: the ranks holding shards)."""
+    def in_mesh(self, tp: Comm, pp: Comm) -> None:
+        """A mesh's other dimensions (train.run): clipping and fp16's skips span them too."""
+        self.mesh_comms = self.precision.also_agree = (tp, pp)
+
+    def clip_grads(self, grads: dict[str, np.ndarray], over: Comm | None) -> None:
+        """--clip-grad-norm X: this step's factor, from the whole model's norm (model_squares)."""
         if self.clip_grad_norm is not None:
             scaler = self.precision.scaler  # fp16's gradients are still scaled by it
             scale = 1.0 if scaler is None else scaler.scale
-            self.clip_factor = clip_coefficient(grads, self.clip_grad_norm, over, scale)
+            total = model_squares(self, grads, over)
+            self.clip_factor = clip_coefficient(total, self.clip_grad_norm, scale)
 
     def update(self, params: np.ndarray, grad: np.ndarray, state: dict) -> None:
         """optimizer.update on what this rank owns, through the precision (fp32 master)."""

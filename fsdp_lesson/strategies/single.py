@@ -40,7 +40,7 @@ class Single(Strategy):
     def step(self) -> None:
         if self.precision.overflowed(self.comm, self.grads.values()):
             return
-        self.clip_grads(self.grads.values(), over=None)  # whole gradients, alike on every rank
+        self.clip_grads(self.grads, over=None)  # whole gradients, alike on every rank
         self.optimizer.start_step()
         for name in self.layout:
             self.update(self.params[name], self.grads[name], self.opt_state[name])

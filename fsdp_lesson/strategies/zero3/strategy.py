@@ -148,7 +148,7 @@ class ZeRO3(Strategy):
         self.finish_reduce_scatters()
         if self.precision.overflowed(self.comm, self.grad_shards.values()):  # fp16: inf, skip
             return
-        self.clip_grads(self.grad_shards.values(), over=self.shard_comm)  # HSDP: one group's
+        self.clip_grads(self.grad_shards, over=self.shard_comm)  # HSDP: one group's
         self.optimizer.start_step()
         for name in self.layout:
             shard, grad = self.param_shards[name], self.grad_shards[name]
