@@ -324,7 +324,9 @@ def make_namespace(record: Record, ns: str, names_file: str) -> None:
         record.step("etc", path=str(etc.parent), files=[])
         etc.parent.mkdir()
     record.step("etc", path=str(etc), files=["hosts", "resolv.conf"])
-    etc.mkdir()
+    # `ip netns add` just made ns, so an /etc/netns/ns already there is no live setup's: a
+    # killed run's (our prefix), which this one takes over and `down` removes
+    etc.mkdir(exist_ok=True)
     (etc / "hosts").write_text(names_file)
     (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
     # IPv6 off (where the kernel has it): no router solicitations on the counters

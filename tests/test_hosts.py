@@ -188,6 +188,21 @@ def test_down_cleans_up_after_a_crash_between_any_two_steps(tmp_path, crash_at):
     assert not in_sight("fsdpl-c-") and not (tmp_path / "state.json").exists()
 
 
+@needs_hosts
+def test_up_takes_over_what_a_killed_run_left_in_etc_netns(tmp_path):
+    """A run killed outright (SIGKILL: no `down`) leaves /etc/netns/<ns> behind after its
+    namespace is gone; the next `up` with that prefix builds over it, and `down` removes it."""
+    stale = Path("/etc/netns/fsdpl-e-sw")
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / "hosts").write_text("left by a killed run\n")
+    try:
+        hosts.up(hosts.Layout(2, 1, "100mbit", "fsdpl-e-"), tmp_path)
+        assert "fsdpl-e-h0" in (stale / "hosts").read_text()
+    finally:
+        hosts.down(tmp_path)
+    assert not in_sight("fsdpl-e-")
+
+
 def test_down_removes_only_what_is_recorded_and_ours(tmp_path, monkeypatch):
     """A record that names a namespace or an /etc/netns entry not named fsdpl-... (edited, or
     damaged) makes down skip it: it never runs a command on what it did not create."""
