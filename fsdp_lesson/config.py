@@ -310,6 +310,14 @@ class TrainConfig:
         )
         _require_positive_finite("clip_grad_norm", self.clip_grad_norm, optional=True)
         _require(
+            self.strategy != "zero3"
+            or not self.c_compat
+            or (self.precision, self.clip_grad_norm) == ("fp32", None),
+            "--c-compat zero3 reproduces the C FSDP programs, which keep each rank's biases "
+            "local in float32 (strategies/zero3/local_biases.py): drop --precision and "
+            "--clip-grad-norm, or --c-compat",
+        )
+        _require(
             isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf,
             f"timeout must be a positive finite number of seconds, got {self.timeout}",
         )

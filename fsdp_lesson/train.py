@@ -116,13 +116,15 @@ def evaluate(
     return total / n_batches
 
 
-def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) -> list[int]:
+def sample_name(
+    model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64, root: int = 0
+) -> list[int]:
     """Generate one name as the C program does: the tokens drawn, ending with 0 (unless cut off).
 
     Every rank runs the forward (zero3 needs all ranks to gather) and draws u, keeping the
-    random streams aligned; rank 0's choice is broadcast so ranks can never disagree. (The
-    tensor-parallel ranks of one group hold the same logits bit for bit, g's allreduce gives
-    every rank the same sum, so they draw the same token.)
+    random streams aligned; data-parallel rank `root`'s choice is broadcast so ranks can never
+    disagree. (The tensor-parallel ranks of one group hold the same logits bit for bit, g's
+    allreduce gives every rank the same sum, so they draw the same token.)
     """
     context = np.zeros((1, model.config.seq_len), dtype=np.uint8)
     token = np.zeros(1, dtype=np.int32)
@@ -135,7 +137,7 @@ def sample_name(model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64) 
             probs = softmax(forward(model, strategy, context))[0]
             # walk the probabilities with a running float32 sum; the first with sum >= u
             token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
-        strategy.comm.bcast(token, root=0)
+        strategy.comm.bcast(token, root=root)
         tokens.append(int(token[0]))
         if token[0] == 0:  # the boundary token ends the name
             break
@@ -443,6 +445,11 @@ def prepare(
                 f"{existing} already holds a checkpoint: continue it with --resume "
                 f"{rc.checkpoint_dir.parent}, or replace it with --overwrite"
             )
+    if tc.strategy == "zero3" and tc.c_compat and (rc.save_every or rc.resume):
+        raise ConfigError(
+            "--c-compat zero3 keeps each rank's own biases, as the C FSDP programs do, and a "
+            "checkpoint holds one model: save or resume without --c-compat"
+        )
     if tc.replicate > 1 and (rc.save_every or rc.resume):
         raise ConfigError(
             "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
@@ -552,8 +559,11 @@ def finish(
     """After the last step: validation loss, samples, memory."""
     if tc.eval_batches:
         history.val_loss = evaluate(model, strategy, data, rng, tc.batch, tc.eval_batches)
+    # --c-compat zero3's data-parallel ranks hold different biases (local_biases.py): the token
+    # is the C programs' broadcasting rank's, the 3-D program's last, the FSDP program's first
+    root = strategy.comm.size - 1 if tc.c_compat and tc.pp > 1 else 0
     for _ in range(tc.samples):
-        tokens = sample_name(model, strategy, rng)
+        tokens = sample_name(model, strategy, rng, root=root)
         history.names.append(decode(tokens).rstrip("."))
         history.samples.append(format_sample(tokens, model.config.seq_len))
     history.memory = strategy.ledger.report()

@@ -50,6 +50,14 @@ def runs():
                 else ModelConfig()
             )
             yield f"{label}-{opt}", model, dict(strategy="zero3", optimizer=opt, **TRAIN, **extra)
+    c_compat = {  # the C FSDP programs' local biases (strategies/zero3/local_biases.py)
+        "c-compat-sgd": {},
+        "c-compat-accum-sgd": dict(batch=12, accum=2),
+        "c-compat-adam": dict(optimizer="adam"),
+        "c-compat-units2-adam": dict(optimizer="adam", layers_per_unit=2, prefetch=False),
+    }
+    for name, extra in c_compat.items():
+        yield name, ModelConfig(), dict(strategy="zero3", c_compat=True, **(TRAIN | extra))
 
 
 def main(out: str) -> None:
@@ -70,6 +78,8 @@ def main(out: str) -> None:
                 "trace": history.trace,
                 "initial": initial if config.steps == 0 else None,
                 "sharded": {k: e.sharded for k, e in strategy.local_state().items()},
+                "local_biases": getattr(strategy, "local_biases", None)
+                and {k: b.copy() for k, b in strategy.local_biases.params.items()},
             },
         )
         if comm.rank == 0:

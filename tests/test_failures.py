@@ -315,6 +315,22 @@ def test_out_of_range_numbers_are_one_line(args, message):
     one_clean_line(result, message)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--precision", "bf16"], ["--clip-grad-norm", "1"], ["--save-every", "1", "--out", "{tmp}"]],
+    ids=["precision", "clip", "checkpoint"],
+)
+def test_c_compat_zero3_refuses_what_its_local_biases_cannot_do(args, tmp_path):
+    """--c-compat zero3 keeps each rank's own fp32 biases, as the C FSDP programs do: no 16-bit
+    copy, no norm over them, no checkpoint (which holds one model). Each is one clear line."""
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = cli(["--strategy", "zero3", "--c-compat", "--steps", "2", *QUIET, *args])
+    assert result.returncode == 2
+    one_clean_line(result, "--c-compat zero3 ")
+    assert "without --c-compat" in result.stderr or "or --c-compat" in result.stderr
+    assert not (tmp_path / "checkpoint").exists()
+
+
 def test_divergence_stops_with_exit_3_and_writes_no_finished_run(tmp_path):
     result = cli(["--strategy", "dp", "--lr", "1e6", "--steps", "50", "--out", str(tmp_path)])
     assert result.returncode == 3

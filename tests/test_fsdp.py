@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi_helpers import mpiexec, worker_results
+from mpi_helpers import assert_prints_the_c_programs, mpiexec, worker_results
 
 from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
@@ -63,12 +63,39 @@ def test_sharded_init_is_the_full_init_sliced_bit_for_bit(world):
 def test_every_option_trains_the_same_model_as_single(world):
     n, results = world
     for name, r in trained(results).items():
+        if name.startswith("c-compat") and n > 1:
+            continue  # the C programs' local biases: not single's model (the next test)
         losses, params = single_reference(r["model_config"], r["train_config"])
         assert np.abs(r["losses"] - losses).max() <= 1e-5, f"{name} N={n}"
         for layer, p in params.items():
             for k, v in p.items():
                 diff = np.abs(r["params"][layer][k] - v).max()
                 assert diff <= 1e-5, f"{name} N={n}: {layer}.{k} differs by {diff:.1e}"
+
+
+def test_c_compat_steps_each_ranks_own_biases_as_the_c_fsdp_programs_do(world):
+    """--c-compat zero3: every rank steps its own biases with its own rows' gradient, so at
+    N > 1 the ranks' biases drift apart (at N = 1 it is single's model: the test above);
+    accumulating micro-batches and units of two layers print the same losses."""
+    n, results = world
+    for name in ("c-compat-sgd", "c-compat-adam"):
+        biases = [report["local_biases"] for report in results[name]["per_rank"]]
+        for layer in biases[0]:
+            apart = max((np.abs(b[layer] - biases[0][layer]).max() for b in biases[1:]), default=0)
+            assert (apart > 1e-4) == (n > 1), f"{name} N={n}: {layer}'s biases {apart:.1e} apart"
+    for variant, plain in [
+        ("c-compat-accum-sgd", "c-compat-sgd"),
+        ("c-compat-units2-adam", "c-compat-adam"),
+    ]:
+        diff = np.abs(results[variant]["losses"] - results[plain]["losses"]).max()
+        assert diff <= 1e-5, f"{variant} N={n}: {diff:.1e} from {plain}"
+
+
+@pytest.mark.parametrize("flags", [[], ["--layers-per-unit", "2", "--no-prefetch"]], ids=str)
+def test_c_compat_zero3_prints_train_fsdp_c(flags):
+    """The program this course grew from: --c-compat --strategy zero3 on 2 ranks prints
+    train_fsdp.c's losses, validation loss and samples, its local biases included."""
+    assert_prints_the_c_programs(2, ["--strategy", "zero3", *flags], "fsdp")
 
 
 def test_prefetch_is_bit_identical_to_no_prefetch(world):
@@ -86,8 +113,11 @@ def test_the_planner_predicts_every_option_to_the_byte(world):
     n, results = world
     for name, r in trained(results).items():
         tc = r["train_config"]
-        options = {k: getattr(tc, k) for k in OPTIONS} if tc.strategy == "zero3" else {}
+        options = (
+            {k: getattr(tc, k) for k in (*OPTIONS, "c_compat")} if tc.strategy == "zero3" else {}
+        )
         micro = tc.batch // n
+        options |= dict(accum=tc.accum)
         predicted = ledger_bytes(tc.strategy, r["model_config"], n, tc.optimizer, micro, **options)
         for rank, report in enumerate(r["per_rank"]):
             assert report["memory"]["peak"] == predicted, f"{name} N={n} rank {rank}"
@@ -118,12 +148,13 @@ def test_traffic_follows_units_resharding_and_groups(world):
         calls = sum(1 for u in units if u.flat.numel)
         ring = (g - 1) / g
         gathers = 2 if tc.reshard_after_forward else 1  # forward (+ backward when resharded)
+        a = tc.accum  # every micro-batch gathers and reduce-scatters
         where = "" if tc.replicate == 1 else " (shard)"
         for report in r["per_rank"]:
             traffic = {k: v["sent_bytes"] / tc.steps for k, v in report["traffic"].items()}
-            assert traffic["allgather" + where] == pytest.approx(gathers * ring * psi4), name
-            assert traffic["reduce_scatter" + where] == pytest.approx(ring * psi4)
-            assert report["traffic"]["reduce_scatter" + where]["calls"] == calls * tc.steps
+            assert traffic["allgather" + where] == pytest.approx(a * gathers * ring * psi4), name
+            assert traffic["reduce_scatter" + where] == pytest.approx(a * ring * psi4)
+            assert report["traffic"]["reduce_scatter" + where]["calls"] == a * calls * tc.steps
             if tc.replicate > 1:  # the gradient shards averaged across the R groups
                 across = 2 * (tc.replicate - 1) / tc.replicate * psi4 / g
                 assert traffic["allreduce (replicate)"] == pytest.approx(across)

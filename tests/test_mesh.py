@@ -141,6 +141,14 @@ def test_c_compat_pp_prints_the_c_programs_losses():
     assert_prints_the_c_programs(3, ["--pp", "3"], "pp")
 
 
+@pytest.mark.mpi
+def test_c_compat_3d_prints_the_c_programs_losses():
+    """train_3d.c --tp 2 --dp 2 (12 ranks: tp inside FSDP inside 3 stages) takes train_tp.c's
+    means and keeps train_fsdp.c's local biases: --c-compat --tp 2 --pp 3 --strategy zero3 on
+    12 ranks prints its losses, validation loss and samples (its last rank's tokens)."""
+    assert_prints_the_c_programs(12, ["--tp", "2", "--pp", "3", "--strategy", "zero3"], "3d")
+
+
 DRIFT = """
 import json
 from fsdp_lesson.comm import Comm

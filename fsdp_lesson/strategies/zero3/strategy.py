@@ -20,6 +20,8 @@ Options, with their FSDP2 (`fully_shard`) and DeepSpeed names:
                              mesh of shape (R, N/R): the ranks of one host, where the links are
                              fast, when hosts hold N/R ranks each) or "strided" (ranks R apart:
                              the shard groups span the hosts; the contrast).
+    c_compat                 the C FSDP programs' biases: whole on every rank, each stepped with
+                             its own rows' gradient, never averaged (local_biases.py).
 
 Gradient accumulation (zero2's docstring has the trade): "every" reduce-scatters each unit's
 gradient after every micro-batch and adds it into the owned shard; "last" keeps every unit's
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from ...model import Params
 from ..base import Strategy
+from .local_biases import LocalBiases
 from .schedule import Schedule
 from .unit import Unit, make_units
 
@@ -39,7 +42,14 @@ class ZeRO3(Strategy):
     """Shards only; a unit's full parameters and gradient exist only while it runs."""
 
     name = "zero3"
-    options = ("layers_per_unit", "prefetch", "reshard_after_forward", "replicate", "shard_group")
+    options = (
+        "layers_per_unit",
+        "prefetch",
+        "reshard_after_forward",
+        "replicate",
+        "shard_group",
+        "c_compat",
+    )
     # shard_group places --replicate's groups, and runs with --replicate do not checkpoint
     options_a_resume_may_change = frozenset({"prefetch", "reshard_after_forward", "shard_group"})
 
@@ -54,6 +64,7 @@ class ZeRO3(Strategy):
         reshard_after_forward: bool = True,
         replicate: int = 1,
         shard_group: str = "consecutive",
+        c_compat: bool = False,
         **memory_options,
     ) -> None:
         super().__init__(model, optimizer, comm, ledger, **memory_options)
@@ -80,12 +91,18 @@ class ZeRO3(Strategy):
         self.reducing: list[Unit] = []  # units whose gradient reduce-scatter is in flight
         # "last": every unit's full gradient is kept and added to until the last micro-batch
         self.accumulate_full_grads = self.accum_reduce == "last" and self.accum > 1
+        self.local_biases = LocalBiases(model.layers, ledger, optimizer) if c_compat else None
 
     def param_arrays(self):
         return self.param_shards
 
     def held_as(self, layer: str, arrays: Params) -> tuple[str, Params]:
         return self.unit_of[layer].name, {f"{layer}.{k}": v for k, v in arrays.items()}
+
+    def keep_initial(self, layer: str, arrays: Params) -> None:
+        super().keep_initial(layer, arrays)
+        if self.local_biases is not None:
+            self.local_biases.keep_initial(layer, arrays)
 
     def finish_reduce_scatters(self, keep: int = 0) -> None:
         """Wait for the gradient reduce-scatters in flight, all but the newest `keep`."""
@@ -113,7 +130,10 @@ class ZeRO3(Strategy):
                     following.start_gather()
         if unit.computing is None:  # the unit's first layer of this pass
             unit.begin_compute()
-        return self.precision.compute_params(layer, unit.params[layer.name])
+        params = unit.params[layer.name]
+        if self.local_biases is not None:
+            params = self.local_biases.swap_in(layer.name, params)
+        return self.precision.compute_params(layer, params)
 
     def release(self, layer) -> None:
         """FSDP2: reshard. Free the unit's full parameters after its last layer has run."""
@@ -136,10 +156,13 @@ class ZeRO3(Strategy):
         the next unit's backward, and the one before it is waited for)."""
         self.precision.store_grad(layer)
         unit = self.unit_of[layer.name]
+        add = self.micro > 0 and not self.accumulate_full_grads  # to an earlier micro-batch's
+        if self.local_biases is not None and unit.flat.numel:
+            self.local_biases.keep_grad(layer.name, unit.grads(layer.name), add)
         if not unit.flat.numel or layer.name != unit.layers[0] or not self.reducing_now:
             return
         unit.end_compute("backward")  # its compute ends where its reduce-scatter begins
-        unit.start_reduce_scatter(add=self.micro > 0 and not self.accumulate_full_grads)
+        unit.start_reduce_scatter(add)
         self.reducing.append(unit)
         # without prefetch, the same call waited for at once: MPI sums in the same order
         self.finish_reduce_scatters(keep=1 if self.prefetch else 0)
@@ -153,3 +176,5 @@ class ZeRO3(Strategy):
         for name in self.layout:
             shard, grad = self.param_shards[name], self.grad_shards[name]
             self.update(shard, grad, self.opt_state[name])
+        if self.local_biases is not None:
+            self.local_biases.step(self.update)
