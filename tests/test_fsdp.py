@@ -91,11 +91,15 @@ def test_c_compat_steps_each_ranks_own_biases_as_the_c_fsdp_programs_do(world):
         assert diff <= 1e-5, f"{variant} N={n}: {diff:.1e} from {plain}"
 
 
-@pytest.mark.parametrize("flags", [[], ["--layers-per-unit", "2", "--no-prefetch"]], ids=str)
-def test_c_compat_zero3_prints_train_fsdp_c(flags):
-    """The program this course grew from: --c-compat --strategy zero3 on 2 ranks prints
-    train_fsdp.c's losses, validation loss and samples, its local biases included."""
-    assert_prints_the_c_programs(2, ["--strategy", "zero3", *flags], "fsdp")
+@pytest.mark.parametrize(
+    "n, flags, program",
+    [(2, [], "fsdp"), (2, ["--layers-per-unit", "2", "--no-prefetch"], "fsdp"), (4, [], "fsdp_n4")],
+    ids=["N2", "N2-units2", "N4"],
+)
+def test_c_compat_zero3_prints_the_fsdp_c_program(n, flags, program):
+    """The program this course grew from: --c-compat --strategy zero3 on N ranks prints the C
+    FSDP program's losses, validation loss and samples at N, its local biases included."""
+    assert_prints_the_c_programs(n, ["--strategy", "zero3", *flags], program)
 
 
 def test_prefetch_is_bit_identical_to_no_prefetch(world):
