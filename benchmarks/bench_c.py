@@ -2,24 +2,26 @@
 
     python benchmarks/bench_c.py --sources DIR [--steps 5000] [--reps 3] [--programs ...]
 
-DIR holds `train.c`, `train_dp.c`, `train_fsdp.c`, `train_tp.c` and `train_pp.c` with their
-`src/` (the llm_parallelisms.c programs that docs/seed_semantics.md describes; they are not part
-of this repository). Each is copied into build/c with its step count set to --steps (they
-hard-code 25,000), compiled with `-Ofast -march=native` (gcc; this .venv's mpicc for the MPI
-ones) and run from the project's root, where they read data/names.txt. Each C program and the
-CLI runs of the same work (the same steps, N, batch, evaluation and samples: the CLI's defaults
-are the C program's) alternate, reps times; the table prints the medians and each CLI/C ratio,
-measured in the same run:
+DIR holds `train.c`, `train_dp.c`, `train_fsdp.c`, `train_tp.c`, `train_pp.c` and `train_3d.c`
+with their `src/` (the llm_parallelisms.c programs that docs/seed_semantics.md describes; they
+are not part of this repository). Each is copied into build/c with its step count set to --steps
+(they hard-code 25,000), compiled with `-Ofast -march=native` (gcc; this .venv's mpicc for the
+MPI ones) and run from the project's root, where they read data/names.txt. Each C program and
+the CLI runs of the same work (the same steps, N, batch, evaluation and samples: the CLI's
+defaults are the C program's) alternate, reps times; the table prints the medians and each CLI/C
+ratio, measured in the same run:
 
     C train        vs  train --strategy single        N = 1
     C train_dp     vs  dp, zero1                       N = 2
     C train_fsdp   vs  zero2, zero3                    N = 2
     C train_tp     vs  --tp 2                          N = 2
     C train_pp     vs  --pp 3                          N = 3
+    C train_3d     vs  --tp 2 --pp 3 --strategy zero3  N = 12 (train_3d --tp 2 --dp 2)
 
 The C programs call MPI_Init (no threads: MPICH spins while it waits), so N stays at the cores
-here, except for train_pp, which runs on 3 ranks only: on 2 cores its figure is oversubscribed
-for both programs alike (the 3-D program's 12 ranks are not timed here at all). A run that other
+here, except for train_pp, which runs on 3 ranks only, and train_3d on 12: on 2 cores their
+figures are oversubscribed for both programs alike, which costs the spinning C ranks far more
+(the 3-D program is slow enough there to time with --steps 1000 --reps 1). A run that other
 processes slowed (more than a quarter of a core) is marked *. A figure to read, not a test.
 """
 
@@ -47,7 +49,9 @@ PAIRS = {
     "train_fsdp": (2, {s: ["--strategy", s] for s in ("zero2", "zero3")}),
     "train_tp": (2, {"tp 2": ["--tp", "2"]}),
     "train_pp": (3, {"pp 3": ["--pp", "3"]}),  # 3 ranks on 2 cores: see the note above
+    "train_3d": (12, {"tp 2 pp 3 zero3": ["--tp", "2", "--pp", "3", "--strategy", "zero3"]}),
 }
+C_FLAGS = {"train_3d": ["--tp", "2", "--dp", "2"]}  # its mesh: T·D·3 = 12 ranks
 
 
 def build(sources: Path, program: str, steps: int) -> Path:
@@ -81,7 +85,8 @@ def main() -> None:
     print(f"{'run':28s} {'N':>2s} {'whole s':>8s}  {'x C':>5s}")
     chosen = args.programs or list(PAIRS)
     for program, (n, runs) in ((p, PAIRS[p]) for p in chosen):
-        commands = {f"C {program}": launch(n, str(build(args.sources, program, args.steps)))}
+        binary = str(build(args.sources, program, args.steps))
+        commands = {f"C {program}": launch(n, binary, *C_FLAGS.get(program, []))}
         for label, flags in runs.items():
             train = ["-m", "fsdp_lesson", "train", *flags, "--steps", str(args.steps)]
             commands[label] = launch(n, sys.executable, *train)

@@ -288,35 +288,13 @@ class TrainConfig:
             self.eval_batches >= 0 and self.samples >= 0 and self.log_every >= 1,
             "eval_batches and samples must be >= 0 and log_every >= 1",
         )
-        _require(
-            self.layers_per_unit >= 1 and self.replicate >= 1,
-            "layers_per_unit and replicate must be positive integers",
-        )
-        _require(
-            self.strategy == "zero3"
-            or (self.layers_per_unit, self.reshard_after_forward, self.replicate) == (1, True, 1),
-            "--layers-per-unit, --no-reshard-after-forward and --replicate shape how zero3 "
-            "shards: use them with --strategy zero3",
-        )
-        _require(
-            self.shard_group == "consecutive" or self.replicate > 1,
-            "--shard-group strided places HSDP's groups: use it with --strategy zero3"
-            " --replicate R (R > 1)",
-        )
+        check_zero3_options(self)
         _require(self.accum >= 1, f"accum must be a positive integer, got {self.accum}")
         _require(
             min(self.tp, self.pp, self.micro_batches) >= 1,
             "tp, pp and micro_batches must be positive integers",
         )
         _require_positive_finite("clip_grad_norm", self.clip_grad_norm, optional=True)
-        _require(
-            self.strategy != "zero3"
-            or not self.c_compat
-            or (self.precision, self.clip_grad_norm) == ("fp32", None),
-            "--c-compat zero3 reproduces the C FSDP programs, which keep each rank's biases "
-            "local in float32 (strategies/zero3/local_biases.py): drop --precision and "
-            "--clip-grad-norm, or --c-compat",
-        )
         _require(
             isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf,
             f"timeout must be a positive finite number of seconds, got {self.timeout}",
@@ -325,6 +303,33 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_zero3_options(tc: TrainConfig) -> None:
+    """zero3's own options (FSDP's) only with zero3, and what its --c-compat cannot follow."""
+    _require(
+        tc.layers_per_unit >= 1 and tc.replicate >= 1,
+        "layers_per_unit and replicate must be positive integers",
+    )
+    _require(
+        tc.strategy == "zero3"
+        or (tc.layers_per_unit, tc.reshard_after_forward, tc.replicate) == (1, True, 1),
+        "--layers-per-unit, --no-reshard-after-forward and --replicate shape how zero3 "
+        "shards: use them with --strategy zero3",
+    )
+    _require(
+        tc.shard_group == "consecutive" or tc.replicate > 1,
+        "--shard-group strided places HSDP's groups: use it with --strategy zero3"
+        " --replicate R (R > 1)",
+    )
+    _require(
+        tc.strategy != "zero3"
+        or not tc.c_compat
+        or (tc.precision, tc.clip_grad_norm) == ("fp32", None),
+        "--c-compat zero3 reproduces the C FSDP programs, which keep each rank's biases "
+        "local in float32 (strategies/zero3/local_biases.py): drop --precision and "
+        "--clip-grad-norm, or --c-compat",
+    )
 
 
 def check_ranks(tc: TrainConfig, world_size: int) -> None:
