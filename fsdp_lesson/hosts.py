@@ -69,6 +69,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .launch import rank_settings
+from .watchdog import process_state
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / "build" / "hosts"
@@ -630,10 +631,7 @@ def end_processes_in(namespaces: list[str]) -> None:
 
 def running(pid: int) -> bool:
     """Whether a process runs (a zombie, ended but not yet reaped by its parent, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return process_state(pid) not in ("gone", "exited")
 
 
 # --- the command line -------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from fsdp_lesson.cluster import ClusterError, RankError, connect, report_progress
+from fsdp_lesson.hosts import running
 from fsdp_lesson.launch import RANK_ENV
 
 # --- functions that run on the engines --------------------------------------------------------
@@ -81,21 +82,12 @@ def train_with_progress(steps: int) -> int:
 # --- helpers and fixtures ---------------------------------------------------------------------
 
 
-def alive(pid: int) -> bool:
-    """Whether a process is running (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def wait_until_gone(pids: list[int], timeout: float = 15) -> list[int]:
     """Wait for the processes to end; return those still running after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return [p for p in pids if alive(p)]
+    return [p for p in pids if running(p)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -203,7 +195,7 @@ def test_connect_starts_its_own_cluster_and_close_stops_it(ipython_dir):
         assert ranks.run(rank_and_size) == [(r, 4) for r in range(4)]
         pids = ranks.run(os.getpid) + [ranks.cluster.controller.pid]
         pids.append(ranks.cluster.engine_set.pid)  # mpiexec
-        assert all(alive(p) for p in pids)
+        assert all(running(p) for p in pids)
     finally:
         ranks.close()
     assert wait_until_gone(pids) == []
@@ -231,7 +223,7 @@ def test_connect_after_its_controller_was_killed_stops_what_that_controller_left
             finally:
                 ranks.close()
         finally:  # whatever the test found, it leaves nothing behind
-            for pid in filter(alive, left):
+            for pid in filter(running, left):
                 os.kill(pid, signal.SIGKILL)
 
 
