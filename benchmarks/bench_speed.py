@@ -3,8 +3,10 @@
     python benchmarks/bench_speed.py [--quick] [--reps 3] [--ranks 1 2 4] [--large-steps 30]
 
 Prints two tables (figures to read, never a test):
-1. The seed's model, SGD: ms/step (median over steps past the warm-up) and the ms/step spent
-   inside collectives, run with fsdp_lesson.train.run under `mpiexec -n N`; whole-process
+1. The seed's model, SGD: ms/step (median over steps past the warm-up), the ms/step spent
+   inside collectives, and what the same collectives take as bare mpi4py calls in a loop
+   ("MPI alone": per step the same calls of each kind at the kind's mean size), run with
+   fsdp_lesson.train.run under `mpiexec -n N`; whole-process
    seconds of the CLI (`mpiexec -n N python -m fsdp_lesson train ...`, median of reps); each
    also as a ratio to single-rank training measured in the same run.
 2. At 10.8 M parameters (hidden 1024, 11 layers), N = 2, SGD: each strategy's floor beside
@@ -169,6 +171,7 @@ def worker(kind: str, steps: int) -> None:
         history, _ = run(model_config, config, comm=Comm.world(), data=data)
         seconds = history.step_seconds[steps // 10 :]  # past the warm-up
         comm_seconds = sum(t["seconds"] for t in history.traffic.values())
+        mpi_ms = mpi_alone_ms(comm, history.traffic, steps) if comm.size > 1 else 0.0
         total = history.step_seconds.sum()
         phases = {
             "forward": clock.seconds["forward"],
@@ -182,6 +185,7 @@ def worker(kind: str, steps: int) -> None:
                 "strategy": strategy,
                 "step_ms": float(np.median(seconds) * 1e3),
                 "comm_ms": comm_seconds / steps * 1e3,
+                "mpi_ms": mpi_ms,
                 "phases_ms": {k: v / steps * 1e3 for k, v in phases.items()},
                 "run_s": time.perf_counter() - start,
             }
@@ -199,6 +203,35 @@ def busy_seconds() -> float:
 def children_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def mpi_alone_ms(comm, traffic: dict, steps: int, repeats: int = 300) -> float:
+    """ms/step of a run's collectives as bare mpi4py calls, nothing around them: per step the
+    same number of calls of each kind, each the kind's mean size (float32 buffers). A step of
+    the strategy cannot take less than its compute plus this."""
+    from mpi4py import MPI
+
+    world, n = comm.mpi, comm.size
+    calls = []  # (kind, full buffer) per call of one step
+    for kind, t in traffic.items():
+        per_step = round(t["calls"] / steps)
+        if per_step:
+            numel = -(-t["buffer_bytes"] // (4 * t["calls"] * n)) * n  # divisible by n
+            calls += [(kind, np.zeros(numel, np.float32))] * per_step
+    shards = {id(full): np.zeros(full.size // n, np.float32) for _, full in calls}
+    world.Barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        for kind, full in calls:
+            if kind == "allreduce":
+                world.Allreduce(MPI.IN_PLACE, full)
+            elif kind == "allgather":
+                world.Allgather(shards[id(full)], full)
+            elif kind == "reduce_scatter":
+                world.Reduce_scatter_block(full, shards[id(full)])
+            elif kind == "bcast":
+                world.Bcast(full)
+    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def measured_run(
@@ -258,8 +291,8 @@ def seed_table(args) -> None:
         f"median of {args.reps}; * = disturbed by other processes"
     )
     print(
-        f"{'strategy':8s} {'N':>2s} {'ms/step':>8s} {'in coll.':>8s} {'x single':>8s} "
-        f"{'whole s':>8s} {'s/kstep':>8s} {'x single':>8s}"
+        f"{'strategy':8s} {'N':>2s} {'ms/step':>8s} {'in coll.':>8s} {'MPI alone':>9s} "
+        f"{'x single':>8s} {'whole s':>8s} {'s/kstep':>8s} {'x single':>8s}"
     )
     per_kstep_single = None
     for r in rows:
@@ -272,12 +305,28 @@ def seed_table(args) -> None:
         ratio = r["step_ms"] / single["step_ms"] if single else float("nan")
         print(
             f"{r['strategy']:8s} {r['ranks']:2d} {r['step_ms']:8.3f} {r['comm_ms']:8.3f} "
-            f"{ratio:8.2f} {whole:7.2f}{'*' if any(d for _, d in runs) else ' '} "
+            f"{r['mpi_ms']:9.3f} {ratio:8.2f} "
+            f"{whole:7.2f}{'*' if any(d for _, d in runs) else ' '} "
             f"{per_kstep:8.3f} {per_kstep / per_kstep_single:8.2f}",
             flush=True,
         )
     if single:
         print(f"reference: single-rank training, {1e3 / single['step_ms']:,.0f} steps/s")
+    print_zero3_floor(rows)
+
+
+def print_zero3_floor(rows: list[dict]) -> None:
+    """zero3's step against dp's, beside a bound: dp's step with dp's collectives swapped for
+    zero3's, each timed as bare MPI calls in a loop (no Python around them, warm buffers)."""
+    for n in sorted({r["ranks"] for r in rows if r["ranks"] > 1}):
+        at_n = {r["strategy"]: r for r in rows if r["ranks"] == n}
+        dp, zero3 = at_n["dp"], at_n["zero3"]
+        bound = dp["step_ms"] - dp["mpi_ms"] + zero3["mpi_ms"]
+        print(
+            f"N = {n}: zero3 takes {zero3['step_ms'] / dp['step_ms']:.2f}x dp's step; dp's step "
+            f"with zero3's collectives as bare MPI calls in place of its own: "
+            f"{bound / dp['step_ms']:.2f}x"
+        )
 
 
 def large_table(args) -> None:
