@@ -116,8 +116,8 @@ def layer_vector(strategy: Strategy, layer, what: str) -> np.ndarray:
     name, keys = strategy.held_as(layer.name, {k: k for k in layer.shapes})  # zero3: "fc1.W"
     entry, flat = strategy.local_state()[f"{name}.{what}"], strategy.layout[name]
     vector = entry.array
-    if entry.sharded:  # an allgather over the data-parallel ranks
-        vector = strategy.comm.allgather(vector, np.empty(flat.padded_numel, vector.dtype))
+    if entry.sharded:  # an allgather over the ranks that shard it (HSDP: this rank's group)
+        vector = strategy.shard_comm.allgather(vector, np.empty(flat.padded_numel, vector.dtype))
     views = flat.views(vector)
     piece = {k: views[key] for key, k in keys.items()}
     return FlatParam(layer.whole_shapes).flatten(layer.whole(piece))
@@ -127,8 +127,9 @@ def owned_shards(strategy: Strategy) -> dict[str, np.ndarray]:
     """This rank's slice [i*S, (i+1)*S) of each of its layers' whole state vectors, i its place
     among the W ranks that hold the layer (FlatParam with W shards; W = N without a mesh).
 
-    Without --tp or zero3's units a sharded array is that slice already; of a whole one, this
-    rank saves its slice. Otherwise the layer is gathered first (a collective: every rank calls).
+    Without --tp, zero3's units or --replicate a sharded array is that slice already; of a whole
+    one, this rank saves its slice. Otherwise the layer is gathered first (a collective: every
+    rank calls).
     """
     ranks, local, arrays = MeshRanks(strategy), strategy.local_state(), {}
     states = dict.fromkeys(key.rsplit(".", 1)[1] for key in local)  # params, m, v
@@ -137,7 +138,7 @@ def owned_shards(strategy: Strategy) -> dict[str, np.ndarray]:
         for what in states:
             key = f"{layer.name}.{what}"
             entry = local.get(key)  # None: the layer is part of a zero3 unit
-            if entry is not None and entry.sharded and ranks.stage_size == strategy.comm.size:
+            if entry is not None and entry.sharded and ranks.stage_size == strategy.shard_comm.size:
                 arrays[key] = entry.array
             else:
                 vector = layer_vector(strategy, layer, what)

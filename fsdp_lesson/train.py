@@ -450,11 +450,6 @@ def prepare(
             "--c-compat zero3 keeps each rank's own biases, as the C FSDP programs do, and a "
             "checkpoint holds one model: save or resume without --c-compat"
         )
-    if tc.replicate > 1 and (rc.save_every or rc.resume):
-        raise ConfigError(
-            "checkpoints of hybrid sharding (--replicate) are not supported yet: every "
-            "replica group would save its copy; save or resume without --replicate"
-        )
     check_memory(model_config, tc, comm, None if data else rc.data or DEFAULT_PATH)
     return data or Dataset.load(rc.data or DEFAULT_PATH, seq_len=model_config.seq_len)
 

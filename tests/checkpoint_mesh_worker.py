@@ -21,6 +21,7 @@ COMMON = dict(batch=24, eval_batches=0, samples=0)
 A = dict(tp=2, strategy="zero3", optimizer="adam")  # N = 4: dp 2
 B = dict(pp=2, micro_batches=2, strategy="zero1", optimizer="sgd")  # N = 4: dp 2
 C = dict(tp=2, pp=2, micro_batches=2, strategy="zero2", optimizer="adam")  # N = 8: dp 2
+H = dict(strategy="zero3", replicate=2, optimizer="adam")  # N = 4: HSDP, 2 groups of 2
 # N -> (result name, settings, the checkpoint it saves or resumes): None saves no checkpoint
 JOBS = {
     4: [
@@ -29,10 +30,14 @@ JOBS = {
         ("A-straight", A, None),
         ("A-same", A, "resume A"),
         ("A2", A | dict(layers_per_unit=2), "save A2"),  # zero3's units of pieces
+        ("H", H, "save H"),
+        ("H-straight", H, None),
+        ("H-same", H, "resume H"),
     ],
     8: [
         ("C", C, "save C"),
         ("A-to-tp2-pp2-dp2", C, "resume A"),
+        ("A-to-hsdp", dict(strategy="zero3", replicate=4, optimizer="adam"), "resume A"),
     ],
     2: [
         ("A-to-dp2", dict(strategy="zero1", optimizer="adam"), "resume A"),
@@ -40,6 +45,7 @@ JOBS = {
         ("C-to-zero3", dict(strategy="zero3", optimizer="adam"), "resume C"),
         ("P-to-tp2", dict(tp=2, optimizer="adam"), "resume P"),  # P: saved by single
         ("A2-to-units-of-3", A | dict(layers_per_unit=3), "resume A2"),  # tp 2, dp 1
+        ("H-to-zero3", dict(strategy="zero3", optimizer="adam"), "resume H"),
     ],
 }
 

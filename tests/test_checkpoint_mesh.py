@@ -78,6 +78,9 @@ RESUMED = {  # the worker's result -> its optimizer (A, C: adam; B: sgd)
     "C-to-zero3": "adam",  # tp 2 x pp 2 x dp 2 zero2 @ 8 -> zero3 @ 2
     "P-to-tp2": "adam",  # single @ 1 -> tp 2 single @ 2
     "A2-to-units-of-3": "adam",  # tp 2 zero3 units of 2 layers @ 4 -> units of 3 @ 2
+    "H-same": "adam",  # zero3 --replicate 2 @ 4 -> the same
+    "H-to-zero3": "adam",  # zero3 --replicate 2 @ 4 -> zero3 @ 2
+    "A-to-hsdp": "adam",  # tp 2 zero3 @ 4 -> zero3 --replicate 4 @ 8 (groups of 2)
 }
 
 
@@ -88,8 +91,9 @@ def test_a_checkpoint_resumed_on_another_mesh_trains_on_as_single(meshes, name):
 
 
 @pytest.mark.mpi
-def test_the_same_mesh_resumes_bit_identically(meshes):
-    straight, resumed = load(meshes / "A-straight.npz"), load(meshes / "A-same.npz")
+@pytest.mark.parametrize("mesh", ["A", "H"])  # tp 2 zero3; zero3 --replicate 2 (HSDP)
+def test_the_same_mesh_resumes_bit_identically(meshes, mesh):
+    straight, resumed = load(meshes / f"{mesh}-straight.npz"), load(meshes / f"{mesh}-same.npz")
     for key, want in straight.items():
         assert want.tobytes() == resumed[key].tobytes(), key
 

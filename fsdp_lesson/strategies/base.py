@@ -94,7 +94,8 @@ class Strategy:
         clip_grad_norm: float | None = None,
     ) -> None:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
-        self.shard_rank = comm.rank  # which shard this rank keeps (zero3's HSDP: in its group)
+        # the ranks a sharded array is split over, and this rank's shard (zero3's HSDP: a group)
+        self.shard_comm, self.shard_rank = comm, comm.rank
         self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
         self.precision = Precision(precision, ledger)

@@ -50,8 +50,10 @@ class ZeRO3(Strategy):
         "shard_group",
         "c_compat",
     )
-    # shard_group places --replicate's groups, and runs with --replicate do not checkpoint
-    options_a_resume_may_change = frozenset({"prefetch", "reshard_after_forward", "shard_group"})
+    # a checkpoint holds whole layers: how they are sharded, gathered and replicated may change
+    options_a_resume_may_change = frozenset(
+        {"prefetch", "reshard_after_forward", "replicate", "shard_group"}
+    )
 
     def __init__(
         self,
@@ -69,7 +71,7 @@ class ZeRO3(Strategy):
     ) -> None:
         super().__init__(model, optimizer, comm, ledger, **memory_options)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
-        self.shard_comm, self.replica_comm = comm, None
+        self.replica_comm = None
         if replicate > 1:  # a shard group and a replica group through every rank
             group = comm.size // replicate
             shard_color, replica_color = comm.rank // group, comm.rank % group
