@@ -61,11 +61,14 @@ class Bare:
         return self.loss[0] / self.n
 
     def loss_and_gradient(self, logits: np.ndarray, y: np.ndarray):
+        """This rank's loss, and the logits' gradient as a share of the global batch's mean."""
         loss, cache = self.model.loss.forward(logits, y)
         return loss, self.model.loss.backward(cache, rows=len(y) * self.n)
 
 
 class BareDP(Bare):
+    """Whole parameters and gradients on every rank; one allreduce per layer."""
+
     def __init__(self, batches) -> None:
         super().__init__(batches)
         self.params = {name: v.copy() for name, v in self.initial.items()}
@@ -91,6 +94,9 @@ class BareDP(Bare):
 
 
 class BareZeRO3(Bare):
+    """Shards only; each layer (a unit) gathered forward and backward, its gradient
+    reduce-scattered."""
+
     def __init__(self, batches, reuse: bool) -> None:
         super().__init__(batches)
         self.units = [layer for layer in self.layers if layer.shapes]  # one layer per unit
