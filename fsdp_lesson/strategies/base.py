@@ -94,8 +94,7 @@ class Strategy:
         clip_grad_norm: float | None = None,
     ) -> None:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
-        # the ranks a sharded array is split over, and this rank's shard (zero3's HSDP: a group)
-        self.shard_comm, self.shard_rank = comm, comm.rank
+        self.shard_comm = comm  # the ranks a sharded array is split over (zero3's HSDP: a group)
         self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
         self.precision = Precision(precision, ledger)
@@ -189,7 +188,7 @@ class Strategy:
             entries.append(self.sixteen_bit(name))
         for entry in entries:
             if entry.sharded:
-                self.layout[name].copy_shard(arrays, self.shard_rank, out=entry.array)
+                self.layout[name].copy_shard(arrays, self.shard_comm.rank, out=entry.array)
             else:
                 self.layout[name].flatten(arrays, out=entry.array)
 
@@ -197,7 +196,7 @@ class Strategy:
         """Copy a layer's whole vector into `entry`: all of it, or only this rank's shard."""
         flat = self.layout[entry.layer]
         if entry.sharded:
-            entry.array[...] = flat.owned_shard(flat.padded(vector), self.shard_rank)
+            entry.array[...] = flat.owned_shard(flat.padded(vector), self.shard_comm.rank)
         else:
             entry.array[: flat.numel] = vector[: flat.numel]  # the padding stays zero
 

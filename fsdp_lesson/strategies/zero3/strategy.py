@@ -79,7 +79,6 @@ class ZeRO3(Strategy):
                 shard_color, replica_color = comm.rank % replicate, comm.rank // replicate
             self.shard_comm = comm.split(shard_color, comm.rank, "shard")
             self.replica_comm = comm.split(replica_color, comm.rank, "replicate")
-        self.shard_rank = self.shard_comm.rank
         self.units = make_units(model.layers, layers_per_unit, self.shard_comm.size)
         self.unit_of = {layer: unit for unit in self.units for layer in unit.layers}
         self.schedule = Schedule(self.units)
