@@ -1,8 +1,8 @@
 """A dry run: a strategy's own code runs initialisation and one training step on placeholders.
 
 The planner (plan.ledger_bytes) predicts what MemoryLedger will measure by running the very
-lines that allocate: the real strategy and the real loop (train_step, or a pipeline stage's
-pipeline_step), with
+lines that allocate: the real strategy and the real loop (a pipeline stage's pipeline_step; with
+one stage, train_step's work), with
 
     placeholders   arrays of the asked shape that hold one element (memory.placeholder)
     DryComm        N ranks seen from one of them; every collective and message returns at once
@@ -31,7 +31,6 @@ from .pipeline import Stage, pipeline_step
 from .requests import Request
 from .rng import Rng
 from .strategies import make_strategy
-from .train import train_step
 
 # train_step's micro-batches between the first and the last repeat one another exactly: three
 # stand for any number (a step of --accum 10^9 is predicted at once, not run 10^9 times).
@@ -235,8 +234,7 @@ def dry_run(
     replicate = options.get("replicate", 1)
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
     model = DryModel(MLP(model_config, DryComm(tp) if tp > 1 else None), log)
-    if pp > 1:
-        model = Stage(model, pp, stage, DryComm(pp, rank=stage))
+    model = Stage(model, pp, stage, DryComm(pp, rank=stage))
     M = micro_batches_to_run(accum * micro_batches, pp, stage, schedule)
     ledger = MemoryLedger(dry=True)
     built = make_strategy(
@@ -248,10 +246,7 @@ def dry_run(
     Y = placeholder((rows,), np.uint8)
     if log is not None:  # the step's events from here on
         log.strategy = built
-    if pp > 1:
-        pipeline_step(model, built, model.pp, X, Y, M, schedule, recompute=recompute)
-    else:
-        train_step(model, built, X, Y, M, recompute)
+    pipeline_step(model, built, model.pp, X, Y, M, schedule, recompute=recompute)
     return ledger
 
 

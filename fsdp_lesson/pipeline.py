@@ -108,8 +108,11 @@ def schedule_ops(schedule: str, P: int, stage: int, M: int) -> list[Op]:
     1f1b   P - stage - 1 forwards to fill the pipeline (warm-up), then one forward and one
            backward in turn (steady state), then the backwards left (cool-down): at most
            P - stage held (PipeDream-Flush, the 1F1B of Megatron-LM and picotron)
+
+    With one stage both are gradient accumulation's order, train.train_step's: each micro-batch's
+    forward, then its backward (no other stage waits, so nothing is gained by holding more).
     """
-    if schedule == "gpipe":
+    if schedule == "gpipe" and P > 1:
         return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
     warmup = min(P - stage - 1, M)
     ops = [("F", m) for m in range(warmup)]
@@ -169,7 +172,7 @@ class StageStep:
             self.finish_sends()
         else:
             x = self.receive(stage.in_width, m, pp.rank - 1, "act")  # (B/M, in_width)
-        start, acts = perf_counter(), Activations(self.ledger, prefix=f"m{m} ")
+        start, acts = perf_counter(), Activations(self.ledger, prefix=self.label(m))
         self.acts[m] = acts
         x = forward(stage, self.strategy, x, acts, self.recompute)
         if stage.is_last:  # x: the logits (B/M, V); their gradient waits in acts for backward
@@ -198,6 +201,10 @@ class StageStep:
         else:  # acts.grad: (B/M, in_width), counted until the send is done
             self.send(acts.grad, pp.rank - 1, f"grad m{m}", acts.clear)
         self.note(m, "B", start)
+
+    def label(self, m: int) -> str:
+        """Micro-batch m's prefix in the ledger's labels (none with one stage, as train_step)."""
+        return f"m{m} " if self.pp.size > 1 else ""
 
     def note(self, m: int, kind: str, start: float) -> None:
         """Add the op's compute span (from its input's arrival) to the record, if one is kept."""

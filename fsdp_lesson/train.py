@@ -7,15 +7,14 @@ the same for all of them (docs/architecture.md, "The loop and its hooks").
 from __future__ import annotations
 
 import math
-import os
 import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from .admission import check_memory, memory_options
 from .checkpoint import (
     CheckpointError,
     MeshRanks,
@@ -24,27 +23,18 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .comm import Comm, raise_on_every_rank, ranks_on_this_host, same_everywhere
+from .comm import Comm, raise_on_every_rank, same_everywhere
 from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
-from .data import (
-    DEFAULT_PATH,
-    DataError,
-    Dataset,
-    GlobalBatchSampler,
-    batch_bytes,
-    decode,
-    load_bytes,
-    rank_slice,
-)
+from .data import DEFAULT_PATH, DataError, Dataset, GlobalBatchSampler, decode, rank_slice
 from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .mesh import Mesh
-from .model import MLP, Params, softmax
+from .model import MLP, Params
 from .optim import make_optimizer
 from .passes import backward, forward
 from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, pipeline_step
 from .rng import Rng, make_rng
 from .sharding import is_sharded
-from .strategies import STRATEGY_CLASSES, Strategy, make_strategy, strategy_options
+from .strategies import Strategy, make_strategy, strategy_options
 
 
 def train_step(
@@ -77,47 +67,35 @@ def train_step(
     return sum(losses) / accum
 
 
-def training_step(
-    model: MLP | Stage, strategy: Strategy, X: np.ndarray, Y: np.ndarray, tc: TrainConfig
-) -> float:
-    """One optimizer step on this rank's rows: train_step, or a stage's part of the pipeline's
-    schedule (--pp); this rank's loss."""
-    if isinstance(model, Stage):
-        M = tc.accum * tc.micro_batches
-        return pipeline_step(
-            model, strategy, model.pp, X, Y, M, tc.schedule, recompute=tc.recompute
-        )
-    return train_step(model, strategy, X, Y, tc.accum, tc.recompute)
+def training_step(stage: Stage, strategy: Strategy, X: np.ndarray, Y: np.ndarray, tc: TrainConfig):
+    """One optimizer step on this rank's rows: its stage's part of the pipeline's schedule
+    (with one stage, train_step's forward and backward of each micro-batch); this rank's loss."""
+    M = tc.accum * tc.micro_batches
+    return pipeline_step(stage, strategy, stage.pp, X, Y, M, tc.schedule, recompute=tc.recompute)
 
 
 def whole_params(strategy: Strategy) -> dict[str, Params]:
     """Every layer's whole parameters on world rank 0 ({} elsewhere): gathered over the
     data-parallel and tensor-parallel ranks one layer at a time, then over the stages."""
-    params = strategy.full_params(root=0)
-    if isinstance(strategy.model, Stage):
-        params = gather_stages(params, strategy.model.pp)
-    return params
+    return gather_stages(strategy.full_params(root=0), strategy.model.pp)
 
 
 def evaluate(
-    model: MLP, strategy: Strategy, data: Dataset, rng: Rng, batch_size: int, n_batches: int
+    stage: Stage, strategy: Strategy, data: Dataset, rng: Rng, batch_size: int, n_batches: int
 ) -> float:
-    """Mean loss over n_batches global batches of the test split (every rank its slice)."""
+    """Mean loss over n_batches global batches of the test split (every rank its slice; the
+    last stage's loss, told to every stage)."""
     comm, sampler = strategy.comm, GlobalBatchSampler(data.X_test, data.Y_test, batch_size, rng)
     total = 0.0
     for _ in range(n_batches):
         X, Y = sampler.next()
         x, y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
-        if isinstance(model, Stage):  # the last stage's loss, told to every stage
-            loss = pipeline_loss(model, strategy, model.pp, x, y)
-        else:
-            loss, _ = model.loss.forward(forward(model, strategy, x), y)
-        total += comm.mean_scalar(loss)
+        total += comm.mean_scalar(pipeline_loss(stage, strategy, stage.pp, x, y))
     return total / n_batches
 
 
 def sample_name(
-    model: MLP, strategy: Strategy, rng: Rng, max_tokens: int = 64, root: int = 0
+    stage: Stage, strategy: Strategy, rng: Rng, max_tokens: int = 64, root: int = 0
 ) -> list[int]:
     """Generate one name as the C program does: the tokens drawn, ending with 0 (unless cut off).
 
@@ -126,17 +104,12 @@ def sample_name(
     disagree. (The tensor-parallel ranks of one group hold the same logits bit for bit, g's
     allreduce gives every rank the same sum, so they draw the same token.)
     """
-    context = np.zeros((1, model.config.seq_len), dtype=np.uint8)
+    context = np.zeros((1, stage.config.seq_len), dtype=np.uint8)
     token = np.zeros(1, dtype=np.int32)
     tokens = []
     for _ in range(max_tokens):
         u = rng.uniform(1)[0]
-        if isinstance(model, Stage):  # chosen on the last stage, told to every stage
-            token[0] = pipeline_next_token(model, strategy, model.pp, context, u)
-        else:
-            probs = softmax(forward(model, strategy, context))[0]
-            # walk the probabilities with a running float32 sum; the first with sum >= u
-            token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
+        token[0] = pipeline_next_token(stage, strategy, stage.pp, context, u)  # the last stage's
         strategy.comm.bcast(token, root=root)
         tokens.append(int(token[0]))
         if token[0] == 0:  # the boundary token ends the name
@@ -242,144 +215,6 @@ class Diverged(ArithmeticError):
     """The loss became NaN or infinite: training stops there (the CLI exits with code 3)."""
 
 
-def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
-    """Bytes per rank that training allocates on n ranks: plan.ledger_bytes for the strategy
-    over the data-parallel ranks (exact, as the tests check; with --tp, on this rank's pieces;
-    with --pp, the largest of the stages', so that every rank refuses a run one rank could not
-    fit), the step history, and a step's batch (step_batch_bytes)."""
-    from . import plan
-
-    options = memory_options(tc) | strategy_options(strategy, tc)
-    options |= dict(pp=tc.pp, micro_batches=tc.micro_batches, schedule=tc.schedule)
-    dp = data_parallel_size(tc, n)
-    ledger = max(
-        sum(
-            plan.ledger_bytes(
-                strategy,
-                model_config,
-                dp,
-                tc.optimizer,
-                tc.batch // dp,
-                recompute=tc.recompute,
-                tp=tc.tp,
-                stage=stage,
-                **options,
-            ).values()
-        )
-        for stage in range(tc.pp)
-    )
-    return ledger + 3 * 8 * tc.steps + step_batch_bytes(model_config, tc, n)
-
-
-def data_parallel_size(tc: TrainConfig, n: int) -> int:
-    """The ranks --strategy runs over and the batch is split among: N / (T * P) (mesh.py)."""
-    return n // (tc.tp * tc.pp)
-
-
-# What train_step's np.split and its list of losses keep per micro-batch: two array views and
-# a float (290 bytes measured, with tracemalloc, at 10^6 micro-batches).
-MICRO_BATCH_BYTES = 320
-
-
-def step_batch_bytes(model_config: ModelConfig, tc: TrainConfig, n: int) -> int:
-    """A step's batch on one of n ranks: the index of every row of the global batch (--batch
-    rows times --accum), this rank's rows of tokens (of the data-parallel ranks' share), and
-    the --accum (times a pipeline's --micro-batches) micro-batches cut from them."""
-    rows, dp, pieces = tc.batch * tc.accum, data_parallel_size(tc, n), tc.accum * tc.micro_batches
-    return batch_bytes(rows, dp, model_config.seq_len, tc.c_compat) + MICRO_BATCH_BYTES * pieces
-
-
-def memory_options(tc: TrainConfig) -> dict:
-    """The memory options (levers) every strategy takes: precision and gradient accumulation."""
-    return dict(precision=tc.precision, accum=tc.accum, accum_reduce=tc.accum_reduce)
-
-
-def check_memory(
-    model_config: ModelConfig, tc: TrainConfig, comm: Comm, data_path: Path | None = None
-) -> None:
-    """Refuse a run whose predicted peak per rank exceeds the budget or the machine's memory.
-
-    The prediction is made before anything is allocated (and before the names file at
-    data_path is read: its size bounds what loading it takes), so nothing is half-built when a
-    run is refused, and the machine's OOM killer never has to step in. The budget bounds what
-    training allocates; the machine's available memory that plus the dataset every rank loads.
-    """
-    need, mib = predicted_peak(tc.strategy, model_config, tc, comm.size), 2**20
-    ranks = f"{comm.size} rank" + ("s" if comm.size > 1 else "")
-    if tc.memory_budget_mb is not None and need > tc.memory_budget_mb * mib:
-        allowed = tc.memory_budget_mb * mib
-        hint = _fitting_strategy(model_config, tc, comm.size, allowed) or _batch_hint(
-            model_config, tc, comm.size, need
-        )
-        raise MemoryBudgetError(
-            f"this run would need {need / mib:,.1f} MiB per rank ({tc.strategy} on {ranks}, "
-            f"predicted before allocating anything), more than the budget of "
-            f"{tc.memory_budget_mb:g} MiB: {hint}"
-        )
-    available = available_memory()
-    if available is None:
-        return
-    allowed = available / ranks_on_this_host(comm)
-    load, kept = (0, 0) if data_path is None else load_bytes(data_path, model_config.seq_len)
-    total = max(load, kept + need)
-    if total <= allowed:
-        return
-    batch = step_batch_bytes(model_config, tc, comm.size)
-    parts = {"state": need - batch, "batch": batch, "data": max(load, kept)}
-    largest = max(parts, key=parts.get)
-    why, hint = "", "use more ranks, a smaller model, batch or --steps"
-    if largest == "data":
-        why = (
-            f"; loading {data_path} ({os.path.getsize(data_path):,} bytes) takes up to "
-            f"{load / mib:,.0f} MiB, on every rank"
-        )
-        hint = "use a smaller names file (--data), or fewer ranks on this machine"
-    elif largest == "batch":
-        why = f"; {batch / mib:,.1f} MiB of it for each step's batch"
-        hint = _batch_hint(model_config, tc, comm.size, need)
-    else:
-        hint = _fitting_strategy(model_config, tc, comm.size, allowed, load, kept) or hint
-    raise MemoryBudgetError(
-        f"this run would need {total / mib:,.1f} MiB per rank ({tc.strategy} on {ranks}, "
-        f"predicted before allocating anything{why}), more than this machine's available memory "
-        f"({allowed / mib:,.0f} MiB per rank): {hint}"
-    )
-
-
-def _fitting_strategy(
-    model_config: ModelConfig, tc: TrainConfig, n: int, allowed: float, load=0, kept=0
-) -> str | None:
-    """'--strategy zero1 would fit' if a ZeRO stage would fit in `allowed` (beside a dataset
-    whose loading peaks at `load` bytes and which keeps `kept`), else None."""
-    for s in (name for name, cls in STRATEGY_CLASSES.items() if cls.stage > 0):
-        other = TrainConfig(**(tc.to_dict() | {"strategy": s}))
-        if s != tc.strategy and max(load, kept + predicted_peak(s, model_config, other, n)) <= (
-            allowed
-        ):
-            return f"--strategy {s} would fit"
-    return None
-
-
-def _batch_hint(model_config: ModelConfig, tc: TrainConfig, n: int, need: int) -> str:
-    """What to change when each step's batch is most of the need: --accum, or --batch."""
-    if step_batch_bytes(model_config, tc, n) * 2 < need:
-        return "use more ranks, a smaller model, batch or --steps"
-    rows = f"{tc.batch:,} x {tc.accum:,} rows a step" if tc.accum > 1 else f"{tc.batch:,} rows"
-    return f"lower --accum or --batch ({rows}, every index drawn on every rank)"
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (Linux), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def run(
     model_config: ModelConfig,
     train_config: TrainConfig,
@@ -403,9 +238,8 @@ def run(
     # ranks a stage of its layers, and the strategy runs over mesh.dp
     mesh = Mesh.of(comm, tc.tp, tc.pp)
     rng = make_rng(tc.seed, tc.c_compat)
-    model = MLP(model_config, mesh.tp, tc.c_compat)
-    if tc.pp > 1:
-        model = Stage(model, tc.pp, mesh.pp.rank, mesh.pp)
+    # this rank's stage of the model (P = 1: all of it), its Linears split over mesh.tp
+    model = Stage(MLP(model_config, mesh.tp, tc.c_compat), tc.pp, mesh.pp.rank, mesh.pp)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
     optimizer = make_optimizer(tc.optimizer, tc.lr)
@@ -489,7 +323,7 @@ def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int
 
 
 def train_loop(
-    model: MLP,
+    model: Stage,
     strategy: Strategy,
     data: Dataset,
     rng: Rng,
@@ -543,7 +377,7 @@ def train_loop(
 
 
 def finish(
-    model: MLP,
+    model: Stage,
     strategy: Strategy,
     data: Dataset,
     rng: Rng,

@@ -22,13 +22,13 @@ rank = MPI.COMM_WORLD.Get_rank()  # MPI is up before any limit: its own files ar
 if mode == "full-disk" and rank == failing_rank:
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 elif mode == "raise":
-    train_step, steps = train.train_step, [0]
+    training_step, steps = train.training_step, [0]
 
-    def flaky_train_step(model, strategy, X, Y, *args):
+    def flaky_training_step(stage, strategy, X, Y, *args):
         steps[0] += 1
         if rank == failing_rank and steps[0] == failing_step:
             raise RuntimeError("injected failure (a bug on one rank)")
-        return train_step(model, strategy, X, Y, *args)
+        return training_step(stage, strategy, X, Y, *args)
 
-    train.train_step = flaky_train_step
+    train.training_step = flaky_training_step
 sys.exit(main(["train", *sys.argv[4:]]))

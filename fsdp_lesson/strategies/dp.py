@@ -38,6 +38,13 @@ class DataParallel(Single):
             request.wait()
         self.reducing.clear()
 
+    def begin_phase(self, phase: str) -> None:
+        """A forward (the next micro-batch's, evaluation's) starts once the reductions are done:
+        with one pipeline stage, exactly where train_step's next micro-batch begins."""
+        if phase == "forward":
+            self.finish_reductions()
+        super().begin_phase(phase)
+
     def begin_micro_batch(self, micro: int) -> None:
         self.finish_reductions()  # the next backward adds to these gradients
         super().begin_micro_batch(micro)

@@ -110,6 +110,13 @@ class ZeRO3(Strategy):
         while len(self.reducing) > keep:
             self.reducing.pop(0).finish_reduce_scatter(self.replica_comm)
 
+    def begin_phase(self, phase: str) -> None:
+        """A forward (the next micro-batch's, evaluation's) starts once the reductions are done:
+        with one pipeline stage, exactly where train_step's next micro-batch begins."""
+        if phase == "forward":
+            self.finish_reduce_scatters()
+        super().begin_phase(phase)
+
     def begin_micro_batch(self, micro: int) -> None:
         """A micro-batch's reduce-scatters complete before the next micro-batch begins."""
         self.finish_reduce_scatters()
