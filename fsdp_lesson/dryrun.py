@@ -31,6 +31,7 @@ from .pipeline import Stage, pipeline_step
 from .requests import Request
 from .rng import Rng
 from .strategies import make_strategy
+from .tensor import megatron
 
 # train_step's micro-batches between the first and the last repeat one another exactly: three
 # stand for any number (a step of --accum 10^9 is predicted at once, not run 10^9 times).
@@ -233,7 +234,7 @@ def dry_run(
     micro-batches split in `micro_batches`, run in `schedule`'s order (pipeline.py)."""
     replicate = options.get("replicate", 1)
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
-    model = DryModel(MLP(model_config, DryComm(tp) if tp > 1 else None), log)
+    model = DryModel(MLP(model_config, megatron(DryComm(tp))), log)
     model = Stage(model, pp, stage, DryComm(pp, rank=stage))
     M = micro_batches_to_run(accum * micro_batches, pp, stage, schedule)
     ledger = MemoryLedger(dry=True)

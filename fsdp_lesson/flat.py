@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+Params = dict[str, np.ndarray]  # one layer's parameters (or gradients) by name
+
 
 class FlatParam:
     """The flat, padded layout of one layer's parameters over `world_size` shards."""

@@ -6,22 +6,21 @@ Every layer has the same two methods:
 p and g are dicts of arrays with the shapes in `layer.shapes`. A layer owns no parameters:
 whoever calls it decides where p and g live, which is exactly what the strategies change.
 
-Under tensor parallelism (tensor.py, `MLP(config, tp)`) a layer may compute with a piece of a
-whole layer: its `shapes` are the piece's, `whole_shapes` the whole's, `piece` cuts its piece
-from the whole and `whole` gathers the pieces again. Every other layer is its own whole.
+Under tensor parallelism (tensor.py, `MLP(config, megatron(tp))`) a layer may compute with a
+piece of a whole layer: its `shapes` are the piece's, `whole_shapes` the whole's, `piece` cuts
+its piece from the whole and `whole` gathers the pieces again. Every other layer is its own
+whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .comm import Comm
 from .config import ModelConfig
+from .flat import Params
 from .rng import Rng
-
-Params = dict[str, np.ndarray]  # one layer's parameters (or gradients) by name
 
 
 class Layer:
@@ -129,26 +128,28 @@ class SoftmaxCrossEntropy:
         return dlogits  # (B, V)
 
 
+def plain_linear(i: int, widths: list[int]) -> Linear:
+    """The model's i-th Linear (fc{i}, from widths[i-1] to widths[i]), whole."""
+    return Linear(f"fc{i}", widths[i - 1], widths[i])
+
+
 class MLP:
     """embedding -> fc1, ReLU -> (layers - 1) x (Linear, ReLU) -> output Linear.
 
-    With `tp` (a Comm of T > 1 ranks) the Linears pair up as Megatron's column- and
-    row-parallel layers (tensor.py); c_compat then reduces as the C program does.
+    `linear(i, widths)` makes the i-th Linear: whole by default; tensor.py's megatron(tp) pairs
+    them as Megatron's column- and row-parallel layers.
     """
 
-    def __init__(self, config: ModelConfig, tp: Comm | None = None, c_compat: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, linear: Callable[[int, list[int]], Linear] = plain_linear
+    ) -> None:
         config.validate()
         c = config
         self.config = c
         self.layers: list[Layer] = [Embedding("emb", c.vocab_size, c.emb)]
         widths = [c.seq_len * c.emb] + [c.hidden] * c.layers + [c.vocab_size]
         for i in range(1, c.layers + 2):
-            if tp is None or tp.size == 1:
-                self.layers.append(Linear(f"fc{i}", widths[i - 1], widths[i]))
-            else:  # tensor.py's layers are Linears: imported once model.py has defined them
-                from .tensor import megatron_linear
-
-                self.layers.append(megatron_linear(i, widths, tp, c_compat))
+            self.layers.append(linear(i, widths))
             if i <= c.layers:
                 self.layers.append(ReLU(f"relu{i}"))
         self.loss = SoftmaxCrossEntropy()

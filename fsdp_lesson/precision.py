@@ -21,18 +21,11 @@ float32's exponent range and needs no scaling.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .comm import all_agree
-from .flat import FlatParam
+from .flat import FlatParam, Params
 from .memory import MemoryLedger
-
-if TYPE_CHECKING:  # model.py imports config.py, which imports PRECISIONS from here
-    from .model import Params
-
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def dtype_of(precision: str) -> np.dtype:

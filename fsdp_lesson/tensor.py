@@ -27,10 +27,21 @@ mean taken after each rank added the whole bias, and f's backward a mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 
 from .comm import Comm
-from .model import Linear, Params
+from .model import Linear, Params, plain_linear
+
+
+def megatron(tp: Comm | None, c_compat: bool = False) -> Callable[[int, list[int]], Linear]:
+    """MLP's Linear factory over the T ranks of `tp`: Megatron's pairs (megatron_linear), or
+    whole Linears when T = 1 (or tp is None)."""
+    if tp is None or tp.size == 1:
+        return plain_linear
+    return partial(megatron_linear, tp=tp, c_compat=c_compat)
 
 
 def megatron_linear(i: int, widths: list[int], tp: Comm, c_compat: bool = False) -> Linear:

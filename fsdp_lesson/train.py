@@ -35,6 +35,7 @@ from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, 
 from .rng import Rng, make_rng
 from .sharding import is_sharded
 from .strategies import Strategy, make_strategy, strategy_options
+from .tensor import megatron
 
 
 def train_step(
@@ -239,7 +240,8 @@ def run(
     mesh = Mesh.of(comm, tc.tp, tc.pp)
     rng = make_rng(tc.seed, tc.c_compat)
     # this rank's stage of the model (P = 1: all of it), its Linears split over mesh.tp
-    model = Stage(MLP(model_config, mesh.tp, tc.c_compat), tc.pp, mesh.pp.rank, mesh.pp)
+    model = MLP(model_config, megatron(mesh.tp, tc.c_compat))
+    model = Stage(model, tc.pp, mesh.pp.rank, mesh.pp)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
     optimizer = make_optimizer(tc.optimizer, tc.lr)

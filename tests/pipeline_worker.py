@@ -27,6 +27,7 @@ from fsdp_lesson.optim import make_optimizer
 from fsdp_lesson.pipeline import Stage, gather_stages, pipeline_step
 from fsdp_lesson.rng import make_rng
 from fsdp_lesson.strategies import make_strategy
+from fsdp_lesson.tensor import megatron
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def build(case: Case, world: Comm):
     tc = train_config(case)
     tc.validate(world.size)
     mesh = Mesh.of(world, tp=case.tp, pp=case.pp)
-    stage = Stage(MLP(ModelConfig(layers=case.layers), mesh.tp), case.pp, mesh.pp.rank)
+    stage = Stage(MLP(ModelConfig(layers=case.layers), megatron(mesh.tp)), case.pp, mesh.pp.rank)
     ledger = MemoryLedger(rank=world.rank)
     optimizer = make_optimizer(tc.optimizer, tc.lr)
     strategy = make_strategy(

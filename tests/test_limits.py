@@ -24,10 +24,10 @@ import psutil
 import pytest
 from mpi_helpers import error_when_rank_2_is_killed
 
+from fsdp_lesson.admission import predicted_peak
 from fsdp_lesson.checkpoint import CheckpointError, rank_file, read_manifest
 from fsdp_lesson.config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import DEFAULT_PATH, Dataset, load_bytes
-from fsdp_lesson.admission import predicted_peak
 from fsdp_lesson.train import run
 
 HERE = Path(__file__).parent

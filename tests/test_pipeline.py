@@ -32,6 +32,7 @@ from fsdp_lesson.pipeline import (
 from fsdp_lesson.plan import ledger_bytes
 from fsdp_lesson.rng import make_rng
 from fsdp_lesson.strategies import make_strategy
+from fsdp_lesson.tensor import megatron
 from fsdp_lesson.train import run
 from fsdp_lesson.watchdog import peer_timeout_message
 
@@ -233,7 +234,7 @@ def stage_of(case: dict, stage: int) -> Stage:
     """A rank's Stage as the worker built it; under --tp with a stand-in for mesh.tp (the
     pieces' shapes need only its size and rank, alike on every tensor-parallel rank here)."""
     tp = SimpleNamespace(size=case["tp"], rank=0) if case["tp"] > 1 else None
-    return Stage(MLP(ModelConfig(layers=case["layers"]), tp), case["pp"], stage)
+    return Stage(MLP(ModelConfig(layers=case["layers"]), megatron(tp)), case["pp"], stage)
 
 
 def rows_per_rank(case: dict) -> int:

@@ -18,7 +18,7 @@ from fsdp_lesson.data import Dataset
 from fsdp_lesson.dryrun import dry_run
 from fsdp_lesson.model import MLP, Linear, ReLU
 from fsdp_lesson.strategies import strategy_options
-from fsdp_lesson.tensor import ColumnParallelLinear, RowParallelLinear, piece_range
+from fsdp_lesson.tensor import ColumnParallelLinear, RowParallelLinear, megatron, piece_range
 from fsdp_lesson.train import memory_options, run
 
 HERE = Path(__file__).parent
@@ -75,7 +75,7 @@ def test_pieces_are_padded_columns_and_rows():
 )
 def test_megatron_pairs_the_linears(layers, kinds):
     kind = {ColumnParallelLinear: "column", RowParallelLinear: "row", Linear: "whole"}
-    model = MLP(ModelConfig(layers=layers), SimpleNamespace(size=2, rank=0))
+    model = MLP(ModelConfig(layers=layers), megatron(SimpleNamespace(size=2, rank=0)))
     linears = [layer for layer in model.layers[1:] if not isinstance(layer, ReLU)]
     assert [kind[type(layer)] for layer in linears] == kinds
     assert model.num_params == MLP(ModelConfig(layers=layers)).num_params  # the whole model's
@@ -134,7 +134,7 @@ def tp_allreduce_bytes(mc: ModelConfig, tc: TrainConfig, n: int) -> float:
     """What one rank sends over tp per step in the ring model: f's backward allreduces a column
     layer's dx (B/D, in), g's forward a row layer's output (B/D, out), 2 (T-1)/T of each."""
     rows, T = tc.batch // (n // tc.tp), tc.tp
-    model = MLP(mc, SimpleNamespace(size=T, rank=0))
+    model = MLP(mc, megatron(SimpleNamespace(size=T, rank=0)))
     widths = [
         layer.whole_shapes["W"][0]
         if isinstance(layer, ColumnParallelLinear)
@@ -167,7 +167,7 @@ def test_the_strategy_runs_over_the_data_parallel_ranks(world):
     r = results["tp2-dp-sgd"]
     local = sum(
         int(np.prod(s))
-        for layer in MLP(ModelConfig(), SimpleNamespace(size=2, rank=0)).layers
+        for layer in MLP(ModelConfig(), megatron(SimpleNamespace(size=2, rank=0))).layers
         for s in layer.shapes.values()
     )
     want = 2 * (2 - 1) / 2 * (4 * local + 8)  # the gradients and the logged loss
