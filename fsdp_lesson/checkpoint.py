@@ -88,28 +88,6 @@ def whole_model(strategy: Strategy) -> MLP:
     return getattr(strategy.model, "model", strategy.model)
 
 
-class MeshRanks:
-    """All ranks of the strategy's mesh (mesh.py) as one group: the strategy's Comm spans only
-    the data-parallel ranks, a split layer knows tp, a Stage pp. World rank r = t + T(d + D p).
-    Enough of a Comm for raise_on_every_rank: rank, size, allgather_objects."""
-
-    def __init__(self, strategy: Strategy) -> None:
-        one = Comm(None, strategy.comm.collectives, strategy.comm.timeout)
-        tp = next((layer.tp for layer in whole_model(strategy).layers if layer.split), one)
-        dp, pp = strategy.comm, getattr(strategy.model, "pp", None)
-        pp = one if pp is None else pp
-        self.dims = (tp, dp, pp)  # the fastest-changing rank first
-        self.stage_size = tp.size * dp.size  # W: the ranks that hold this rank's layers
-        self.slot = tp.rank + tp.size * dp.rank  # this rank's place among them
-        self.rank, self.size = self.slot + self.stage_size * pp.rank, self.stage_size * pp.size
-
-    def allgather_objects(self, obj) -> list:
-        """Every rank's obj in world-rank order: gathered along tp, then dp, then pp."""
-        for comm in self.dims:
-            obj = comm.allgather_objects(obj)
-        return [x for by_dp in obj for by_tp in by_dp for x in by_tp]
-
-
 def layer_vector(strategy: Strategy, layer, what: str) -> np.ndarray:
     """A layer's whole vector of one state ("params", "m") as single-rank training lays it out:
     gathered over dp if sharded, cut from its zero3 unit, tp pieces joined (layer.whole)."""
@@ -131,18 +109,18 @@ def owned_shards(strategy: Strategy) -> dict[str, np.ndarray]:
     one, this rank saves its slice. Otherwise the layer is gathered first (a collective: every
     rank calls).
     """
-    ranks, local, arrays = MeshRanks(strategy), strategy.local_state(), {}
+    (stage_size, slot), local, arrays = strategy.mesh.stage_ranks(), strategy.local_state(), {}
     states = dict.fromkeys(key.rsplit(".", 1)[1] for key in local)  # params, m, v
     for layer in strategy.model.layers:
-        flat = FlatParam(layer.whole_shapes, ranks.stage_size)
+        flat = FlatParam(layer.whole_shapes, stage_size)
         for what in states:
             key = f"{layer.name}.{what}"
             entry = local.get(key)  # None: the layer is part of a zero3 unit
-            if entry is not None and entry.sharded and ranks.stage_size == strategy.shard_comm.size:
+            if entry is not None and entry.sharded and stage_size == strategy.shard_comm.size:
                 arrays[key] = entry.array
             else:
                 vector = layer_vector(strategy, layer, what)
-                arrays[key] = flat.owned_shard(flat.padded(vector), ranks.slot)
+                arrays[key] = flat.owned_shard(flat.padded(vector), slot)
     return arrays
 
 
@@ -220,7 +198,7 @@ def save_checkpoint(
     `losses` the global loss of each of them. If any rank cannot write (a full disk, a file
     where the directory should be), every rank raises the same CheckpointError.
     """
-    ranks, final = MeshRanks(strategy), Path(directory)
+    ranks, final = strategy.mesh.world, Path(directory)
     partial = final.with_name(final.name + ".partial")
     shards = owned_shards(strategy)  # collectives first: a rank that fails to write skips none
 
@@ -300,7 +278,7 @@ def _move_into_place(partial: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _agree_on_io(comm: Comm | MeshRanks, work, where: Path):
+def _agree_on_io(comm: Comm, work, where: Path):
     """Run file work on every rank; an OSError on any rank is a CheckpointError on all."""
 
     def attempt():
@@ -476,7 +454,7 @@ def check_compatible(
         )
     saved = layout_of(manifest["strategy"], manifest["train_config"])
     this = layout_of(strategy.name, train_config)
-    n = MeshRanks(strategy).size
+    n = strategy.mesh.world.size
     if (saved, manifest["world_size"]) != (this, n) and not reshard:
         raise CheckpointError(
             f"the checkpoint was saved by {saved} on {manifest['world_size']} ranks, this run "

@@ -20,17 +20,28 @@ import numpy as np
 
 from .config import ModelConfig
 from .flat import Params
+from .placement import Placement, Replicate, Shard, cut_piece, join_pieces
 from .rng import Rng
 
 
 class Layer:
     """What every layer answers besides forward and backward: its parameters' shapes, and, for
-    tensor parallelism, how its piece relates to the whole layer (here: it is the whole)."""
+    tensor parallelism, each parameter's placement over the tensor-parallel ranks `tp`
+    (placement.py: Shard(dim) or Replicate(); a layer of its own is Replicate() throughout)."""
 
     name: str
     shapes: dict[str, tuple[int, ...]]  # this rank's parameters
     whole_shapes: dict[str, tuple[int, ...]]  # the layer's, as single-rank training has it
-    pieces: tuple[str, ...] = ()  # the parameters this rank holds a piece of (tensor.py)
+    placements: dict[str, Placement] = {}  # along tp, by parameter; missing: Replicate()
+    tp = None  # the tensor-parallel ranks' Comm of a split layer (tensor.py)
+
+    def placement(self, key: str) -> Placement:
+        return self.placements.get(key, Replicate())
+
+    @property
+    def pieces(self) -> tuple[str, ...]:
+        """The parameters this rank holds a piece of (Shard along tp)."""
+        return tuple(k for k in self.shapes if isinstance(self.placement(k), Shard))
 
     @property
     def split(self) -> bool:
@@ -38,12 +49,21 @@ class Layer:
         return bool(self.pieces)
 
     def piece(self, whole: Params) -> Params:
-        """This rank's parameters, cut from the whole layer's."""
-        return whole
+        """This rank's parameters, cut from the whole layer's (a split layer's: new arrays)."""
+        if not self.split:
+            return whole
+        size, rank = self.tp.size, self.tp.rank
+        return {k: cut_piece(v, self.placement(k), size, rank) for k, v in whole.items()}
 
     def whole(self, p: Params) -> Params:
-        """The whole layer's parameters from this rank's (a collective for a split layer)."""
-        return p
+        """The whole layer's parameters from this rank's (a split layer's: an allgather over
+        tp of each Shard, in order)."""
+        if not self.split:
+            return p
+        return {
+            k: join_pieces(v, self.placement(k), self.tp, self.whole_shapes[k])
+            for k, v in p.items()
+        }
 
 
 class Embedding(Layer):

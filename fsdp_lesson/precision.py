@@ -75,7 +75,6 @@ class Precision:
         self.name, self.ledger = precision, ledger
         self.dtype, self.mixed = dtype_of(precision), precision != "fp32"
         self.scaler = LossScaler() if precision == "fp16" else None
-        self.also_agree: tuple = ()  # a mesh's tp and pp Comms: every rank skips a step together
         self.upcasts: dict[str, Params] = {}  # float32 copies of 16-bit params, until release
         # float32 gradients backward wrote, to store into (target, whether to add) at land
         self.scratch_grads: dict[str, tuple[Params, Params, bool]] = {}
@@ -123,17 +122,14 @@ class Precision:
                 target[key][...] = g
         self.ledger.free(f"{layer.name} grad fp32")
 
-    def overflowed(self, comm, grads) -> bool:
+    def overflowed(self, world, grads) -> bool:
         """fp16: whether any rank's gradients hold an inf or NaN; then the step is skipped and
-        the loss scale halved (LossScaler). Always False without loss scaling. Agreed over comm
-        (the strategy's ranks), then over a mesh's other dimensions (`also_agree`): a stage or
-        a tensor-parallel piece that overflows alone makes every rank skip."""
+        the loss scale halved (LossScaler). Always False without loss scaling. Agreed over the
+        whole mesh (`world`): a stage or a tensor-parallel piece that overflows alone makes
+        every rank skip."""
         if self.scaler is None:
             return False
-        finite = all_agree(comm, all_finite(grads))
-        for other in self.also_agree:
-            finite = all_agree(other, finite)
-        return not self.scaler.update(finite)
+        return not self.scaler.update(all_agree(world, all_finite(grads)))
 
     def update(self, optimizer, params: np.ndarray, grad: np.ndarray, state: dict, clip: float):
         """optimizer.update on what this rank owns, the gradient scaled by `clip` (<= 1).

@@ -34,6 +34,7 @@ import numpy as np
 
 from .comm import Comm
 from .model import Linear, Params, plain_linear
+from .placement import Replicate, Shard, piece_range
 
 
 def megatron(tp: Comm | None, c_compat: bool = False) -> Callable[[int, list[int]], Linear]:
@@ -53,13 +54,6 @@ def megatron_linear(i: int, widths: list[int], tp: Comm, c_compat: bool = False)
     if i == len(widths) - 1:  # nothing to pair it with: replicated, as the embedding is
         return Linear(name, n_in, n_out)
     return ColumnParallelLinear(name, n_in, n_out, tp, c_compat)
-
-
-def piece_range(width: int, tp: Comm) -> tuple[int, int, int]:
-    """(start, stop, piece width): this rank's part of [0, width) padded to a multiple of T."""
-    piece = -(-width // tp.size)
-    start = min(tp.rank * piece, width)
-    return start, min(start + piece, width), piece
 
 
 def f_backward(dx: np.ndarray, tp: Comm, c_compat: bool, tag: str) -> np.ndarray:
@@ -85,39 +79,18 @@ def g_forward(partial: np.ndarray, b: np.ndarray, tp: Comm, c_compat: bool, tag:
     return partial
 
 
-def gather_pieces(piece: np.ndarray, tp: Comm) -> np.ndarray:
-    """Every rank's piece, flat and in rank order (an allgather over tp: T * piece.size)."""
-    whole = np.empty(tp.size * piece.size, piece.dtype)
-    return tp.allgather(np.ascontiguousarray(piece).reshape(-1), whole)
-
-
 class ColumnParallelLinear(Linear):
     """This rank's columns of a Linear: W (in, H/T), b (H/T,); its output is this rank's
-    columns of y, and its input's gradient the sum over ranks (f)."""
+    columns of y, and its input's gradient the sum over ranks (f). DTensor's ColwiseParallel
+    (whose weight is stored (out, in), so Shard(0) there)."""
 
-    pieces = ("W", "b")
+    placements = {"W": Shard(1), "b": Shard(0)}  # columns start:stop of each, zero-padded
 
     def __init__(self, name: str, n_in: int, n_out: int, tp: Comm, c_compat: bool = False):
         super().__init__(name, n_in, n_out)  # the whole layer: whole_shapes and init_scale
         self.tp, self.c_compat = tp, c_compat
-        self.start, self.stop, width = piece_range(n_out, tp)
+        self.start, self.stop, width = piece_range(n_out, tp.size, tp.rank)
         self.shapes = {"W": (n_in, width), "b": (width,)}
-
-    def piece(self, whole: Params) -> Params:
-        """Columns start:stop of W and b, zero-padded to H/T (a new array each)."""
-        dtype = whole["W"].dtype
-        W, b = np.zeros(self.shapes["W"], dtype), np.zeros(self.shapes["b"], dtype)
-        W[:, : self.stop - self.start] = whole["W"][:, self.start : self.stop]
-        b[: self.stop - self.start] = whole["b"][self.start : self.stop]
-        return {"W": W, "b": b}
-
-    def whole(self, p: Params) -> Params:
-        """Every rank's columns side by side (an allgather over tp), the padding cut off."""
-        (n_in, width), n_out, T = self.shapes["W"], self.whole_shapes["b"][0], self.tp.size
-        W, b = gather_pieces(p["W"], self.tp), gather_pieces(p["b"], self.tp)
-        # (T, in, H/T) -> (in, T, H/T) -> (in, T * H/T): rank r's columns at r * H/T
-        W = W.reshape(T, n_in, width).transpose(1, 0, 2).reshape(n_in, T * width)
-        return {"W": W[:, :n_out], "b": b[:n_out]}
 
     def backward(self, p: Params, x: np.ndarray, dout: np.ndarray, g: Params) -> np.ndarray:
         # dW (in, B) @ (B, H/T), db, and dx (B, H/T) @ (H/T, in) -> (B, in): these columns' share
@@ -127,27 +100,16 @@ class ColumnParallelLinear(Linear):
 
 class RowParallelLinear(Linear):
     """This rank's rows of a Linear: W (H/T, out), and the whole bias b (out,); its input is
-    this rank's columns of x, its output the sum over ranks (g) plus b, on every rank."""
+    this rank's columns of x, its output the sum over ranks (g) plus b, on every rank.
+    DTensor's RowwiseParallel."""
 
-    pieces = ("W",)  # b is whole on every rank
+    placements = {"W": Shard(0), "b": Replicate()}  # rows start:stop of W; b whole everywhere
 
     def __init__(self, name: str, n_in: int, n_out: int, tp: Comm, c_compat: bool = False):
         super().__init__(name, n_in, n_out)  # the whole layer: whole_shapes and init_scale
         self.tp, self.c_compat = tp, c_compat
-        self.start, self.stop, width = piece_range(n_in, tp)
+        self.start, self.stop, width = piece_range(n_in, tp.size, tp.rank)
         self.shapes = {"W": (width, n_out), "b": (n_out,)}
-
-    def piece(self, whole: Params) -> Params:
-        """Rows start:stop of W, zero-padded to H/T, and a copy of the whole bias."""
-        W = np.zeros(self.shapes["W"], whole["W"].dtype)
-        W[: self.stop - self.start] = whole["W"][self.start : self.stop]
-        return {"W": W, "b": whole["b"].copy()}
-
-    def whole(self, p: Params) -> Params:
-        """Every rank's rows stacked (an allgather over tp), the padding cut off; b as it is."""
-        (width, n_out), n_in = self.shapes["W"], self.whole_shapes["W"][0]
-        W = gather_pieces(p["W"], self.tp).reshape(self.tp.size * width, n_out)
-        return {"W": W[:n_in], "b": p["b"]}
 
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         partial = x @ p["W"]  # (B, H/T) @ (H/T, out) -> (B, out): these rows' share of y

@@ -17,13 +17,12 @@ import numpy as np
 from .admission import check_memory, memory_options
 from .checkpoint import (
     CheckpointError,
-    MeshRanks,
     find_checkpoint,
     layout_of,
     load_checkpoint,
     save_checkpoint,
 )
-from .comm import Comm, raise_on_every_rank, same_everywhere
+from .comm import Comm, raise_on_every_rank
 from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import DEFAULT_PATH, DataError, Dataset, GlobalBatchSampler, decode, rank_slice
 from .memory import Activations, MemoryBudgetError, MemoryLedger
@@ -32,8 +31,8 @@ from .model import MLP, Params
 from .optim import make_optimizer
 from .passes import backward, forward
 from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, pipeline_step
+from .placement import differing_replicas
 from .rng import Rng, make_rng
-from .sharding import is_sharded
 from .strategies import Strategy, make_strategy, strategy_options
 from .tensor import megatron
 
@@ -180,29 +179,28 @@ class ReplicaMismatch(RuntimeError):
     """State that every rank should hold identically differs between ranks: a sharding bug."""
 
 
-def check_replicas(strategy: Strategy, tp: Comm | None = None) -> None:
-    """Raise on every rank if any replicated array is not bit-identical on all ranks: over the
-    strategy's ranks, and over the tensor-parallel ranks `tp` the layers they do not split.
+def check_replicas(strategy: Strategy) -> None:
+    """Raise on every rank if any replicated state is not bit-identical on all ranks that hold
+    it: every parameter and optimizer array, along every mesh dimension it is Replicate over
+    (placement.py): the data-parallel replicas, and along tp the embedding or a row layer's bias.
 
     The C program this course grew from let bias gradients stay local, so the ranks' biases drifted
     apart; this check catches that class of bug after every run.
     """
-    differ = []
-    if strategy.comm.size > 1:
-        arrays = {key: s.array for key, s in strategy.local_state().items() if not s.sharded}
-        if strategy.mixed and not is_sharded(strategy.stage, "params"):  # and the 16-bit copy
-            arrays |= {f"{name}.params16": a for name, a in strategy.param_arrays().items()}
-        differ = [name for name, a in arrays.items() if not same_everywhere(strategy.comm, a)]
-    if tp is not None and tp.size > 1:  # the embedding, a row layer's bias, an unpaired layer
-        strategy.begin_phase("forward")
-        for layer in strategy.model.layers:
-            p = strategy.materialize(layer)
-            differ += [
-                f"{layer.name}.{k} (tp)"
-                for k, a in p.items()
-                if k not in layer.pieces and not same_everywhere(tp, a)
-            ]
-            strategy.release(layer)
+    arrays = []
+    for key, entry in strategy.local_state().items():
+        what = key.rsplit(".", 1)[1]
+        what = "" if what == "params" else f" {what}"
+        arrays.append(
+            (what, entry.array, strategy.state_regions(entry.layer, entry.array, entry.sharded))
+        )
+    if strategy.mixed:  # and the 16-bit copy of the parameters
+        for name in strategy.layout:
+            entry = strategy.sixteen_bit(name)
+            arrays.append(
+                (" params16", entry.array, strategy.state_regions(name, entry.array, entry.sharded))
+            )
+    differ = differing_replicas(arrays, strategy.state_mesh)
     if differ:
         raise ReplicaMismatch(f"replicated state differs between ranks: {', '.join(differ)}")
 
@@ -236,7 +234,7 @@ def run(
     if any(other != settings[0] for other in settings):  # every rank sees the same list
         raise ConfigError("the ranks were started with different settings: give all the same flags")
     # tensor parallelism splits the model over mesh.tp, a pipeline gives each of mesh.pp's
-    # ranks a stage of its layers, and the strategy runs over mesh.dp
+    # ranks a stage of its layers, and the strategy, given the mesh, runs over mesh.dp
     mesh = Mesh.of(comm, tc.tp, tc.pp)
     rng = make_rng(tc.seed, tc.c_compat)
     # this rank's stage of the model (P = 1: all of it), its Linears split over mesh.tp
@@ -253,17 +251,16 @@ def run(
     options["clip_grad_norm"] = tc.clip_grad_norm  # allocates nothing: not the planner's
     strategy = raise_on_every_rank(
         comm,
-        lambda: make_strategy(tc.strategy, model, optimizer, mesh.dp, ledger, **options),
+        lambda: make_strategy(tc.strategy, model, optimizer, mesh, ledger, **options),
         REFUSALS,
     )
-    strategy.in_mesh(mesh.tp, mesh.pp)  # clipping and fp16's skipped steps: mesh-wide
     # layer by layer, each rank only what it holds
     raise_on_every_rank(comm, lambda: strategy.init_params(rng), REFUSALS)
     first_step = 0 if rc.resume is None else resume(rc, strategy, rng, history)
     train_loop(model, strategy, data, rng, history, first_step, tc, rc, on_log)
     history.traffic = comm.traffic_report()  # every dimension's: "allreduce (tp)", ...
     finish(model, strategy, data, rng, history, tc, rc)
-    check_replicas(strategy, mesh.tp)
+    check_replicas(strategy)
     return history, strategy
 
 
@@ -293,7 +290,7 @@ def prepare(
 def resume(rc: RunConfig, strategy: Strategy, rng: Rng, history: History) -> int:
     """Load rc.resume into strategy and rng, carry its losses into history; the step it was at.
     Every rank of the mesh agrees (the strategy's Comm spans only the data-parallel ranks)."""
-    comm = MeshRanks(strategy)
+    comm = strategy.mesh.world
     manifest = raise_on_every_rank(
         comm,
         lambda: load_checkpoint(

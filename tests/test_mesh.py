@@ -153,17 +153,15 @@ DRIFT = """
 import json
 from fsdp_lesson.comm import Comm
 from fsdp_lesson.config import ModelConfig, TrainConfig
-from fsdp_lesson.mesh import Mesh
 from fsdp_lesson.train import ReplicaMismatch, check_replicas, run
 world = Comm.world()
 config = TrainConfig(tp=2, steps=2, batch=8, eval_batches=0, samples=0, timeout=20)
 history, strategy = run(ModelConfig(), config, comm=world)
-tp = Mesh.of(world, tp=2).tp
-check_replicas(strategy, tp)  # a healthy run passes
+check_replicas(strategy)  # a healthy run passes
 if world.rank == 1:  # the embedding drifts on one tensor-parallel rank
     strategy.local_state()["emb.params"].array[0] += 1
 try:
-    check_replicas(strategy, tp)
+    check_replicas(strategy)
     found = "no mismatch found"
 except ReplicaMismatch as err:
     found = str(err)
@@ -188,9 +186,8 @@ from fsdp_lesson.memory import MemoryLedger
 from fsdp_lesson.precision import Precision
 world = Comm.world()
 precision = Precision("fp16", MemoryLedger())
-precision.also_agree = (world,)  # as a pipeline's pp: each rank one stage
 grads = [np.array([np.inf if world.rank == 1 else 1.0], np.float16)]  # stage 1 overflows alone
-skipped = precision.overflowed(Comm(), grads)  # the strategy's own ranks: this one alone
+skipped = precision.overflowed(world, grads)  # voted over the whole mesh: every rank skips
 everyone = world.allgather_objects([skipped, precision.scaler.scale])
 if world.rank == 0:
     print(json.dumps(everyone))

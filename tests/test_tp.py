@@ -17,8 +17,9 @@ from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.dryrun import dry_run
 from fsdp_lesson.model import MLP, Linear, ReLU
+from fsdp_lesson.placement import piece_range
 from fsdp_lesson.strategies import strategy_options
-from fsdp_lesson.tensor import ColumnParallelLinear, RowParallelLinear, megatron, piece_range
+from fsdp_lesson.tensor import ColumnParallelLinear, RowParallelLinear, megatron
 from fsdp_lesson.train import memory_options, run
 
 HERE = Path(__file__).parent
@@ -52,7 +53,7 @@ def test_a_split_linear_on_one_rank_is_model_linear(cls):
 def test_pieces_are_padded_columns_and_rows():
     """hidden 63 on T = 2: pieces of 32, the last one's final column (row) is zero padding."""
     last = SimpleNamespace(size=2, rank=1)  # what the layers read of a Comm before they talk
-    assert piece_range(63, last) == (32, 63, 32)
+    assert piece_range(63, last.size, last.rank) == (32, 63, 32)
     whole = {"W": np.ones((4, 63), np.float32), "b": np.ones(63, np.float32)}
     column = ColumnParallelLinear("fc1", 4, 63, last).piece(whole)
     assert (

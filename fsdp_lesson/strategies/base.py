@@ -13,7 +13,9 @@ fetch, release, and reduce-scatter in its backward hooks.
 
 Every strategy keeps each layer's parameters in the flat layout of FlatParam, allocates through
 the memory ledger, reads from the sharding table (sharding.py) what it keeps whole and what as
-a shard, and talks to other ranks only through Comm.
+a shard, and talks to other ranks only through Comm. It is given the mesh (mesh.py) and runs
+over its dp ranks; every array of its state has a placement along each mesh dimension
+(state_regions), from which clipping's norm and the replicas' check are computed generically.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import numpy as np
 from ..comm import Comm
 from ..flat import FlatParam
 from ..memory import MemoryLedger
+from ..mesh import Mesh
 from ..model import MLP, Params
-from ..optim import clip_coefficient, squares
+from ..optim import clip_coefficient
+from ..placement import Placement, Region, Replicate, Shard, global_squares
 from ..precision import Precision
 from ..rng import Rng
 from ..sharding import ZERO_STAGE, is_sharded
@@ -36,27 +40,6 @@ def drawn_bytes(layer, whole: Params, piece: Params) -> int:
     """A layer's initial values, and the piece a split layer (tensor.py) copies from them."""
     copied = sum(a.nbytes for a in piece.values()) if layer.split else 0
     return sum(a.nbytes for a in whole.values()) + copied
-
-
-def model_squares(strategy: Strategy, grads: dict[str, np.ndarray], over: Comm | None) -> float:
-    """Σ g² over the whole model's gradient, on every rank: this rank's gradients (whole, or
-    its shards of `over`'s) added up over `over` and a mesh's tp and pp. What every tensor-
-    parallel rank holds whole (the embedding, a row layer's bias) counts 1/T on each, so once."""
-    tp, pp = strategy.mesh_comms or (None, None)
-    total = sum(squares(g) for g in grads.values())
-    if tp is not None and tp.size > 1:
-        for layer in strategy.model.layers:
-            name, keys = strategy.held_as(layer.name, {k: k for k in layer.shapes})
-            g, flat = grads[name], strategy.layout[name]
-            start = (0 if over is None else over.rank) * g.size  # where g lies in the flat
-            for key, first, end, _ in flat.spans:
-                lo, hi = max(start, first), min(start + g.size, end)
-                if key in keys and keys[key] not in layer.pieces and lo < hi:
-                    total -= (1 - 1 / tp.size) * squares(g[lo - start : hi - start])
-    for comm in (over, tp, pp):  # each rank holds a part: the sum over the parts
-        if comm is not None and comm.size > 1:
-            total = comm.mean_scalar(total) * comm.size
-    return total
 
 
 @dataclass(frozen=True)
@@ -76,7 +59,6 @@ class Strategy:
     # its own TrainConfig fields (zero3: FSDP's), and those a resume may change (bytes, not numbers)
     options: tuple[str, ...] = ()
     options_a_resume_may_change: frozenset[str] = frozenset()
-    mesh_comms: tuple[Comm, ...] = ()  # a mesh's tp and pp (in_mesh)
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -86,15 +68,19 @@ class Strategy:
         self,
         model: MLP,
         optimizer,
-        comm: Comm,
+        comm: Comm | Mesh,
         ledger: MemoryLedger,
         precision: str = "fp32",
         accum: int = 1,
         accum_reduce: str = "every",
         clip_grad_norm: float | None = None,
     ) -> None:
-        self.model, self.optimizer, self.comm, self.ledger = model, optimizer, comm, ledger
-        self.shard_comm = comm  # the ranks a sharded array is split over (zero3's HSDP: a group)
+        # the run's mesh (a Comm alone: a mesh of data-parallel ranks); the strategy runs over dp
+        self.mesh = comm if isinstance(comm, Mesh) else Mesh.alone(comm)
+        self.model, self.optimizer, self.comm, self.ledger = model, optimizer, self.mesh.dp, ledger
+        self.shard_comm = self.comm  # the ranks a sharded array is split over (HSDP: a group)
+        self.state_mesh = self.mesh  # the mesh the state is placed on (HSDP: dp cut in two)
+        comm = self.comm
         self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
         self.precision = Precision(precision, ledger)
@@ -251,16 +237,42 @@ class Strategy:
         """Whether this micro-batch's backward reduces gradients ("last": only the last one)."""
         return self.accum_reduce == "every" or self.micro == self.accum - 1
 
-    def in_mesh(self, tp: Comm, pp: Comm) -> None:
-        """A mesh's other dimensions (train.run): clipping and fp16's skips span them too."""
-        self.mesh_comms = self.precision.also_agree = (tp, pp)
+    # --- where the state lies on the mesh: placements (placement.py) ------------------------
 
-    def clip_grads(self, grads: dict[str, np.ndarray], over: Comm | None) -> None:
-        """--clip-grad-norm X: this step's factor, from the whole model's norm (model_squares)."""
+    def dp_placements(self, sharded: bool) -> dict[str, Placement]:
+        """An array's placement along the data-parallel dimension(s) of the state's mesh."""
+        along = Shard(0) if sharded else Replicate()
+        if "dp" in self.state_mesh.sizes:
+            return {"dp": along}
+        return {"dp_replicate": Replicate(), "dp_shard": along}  # HSDP
+
+    def state_regions(self, name: str, array: np.ndarray, sharded: bool) -> list[Region]:
+        """Where a layout entry's local array (its whole vector, or this rank's shard) lies in
+        the entry's flat vector, parameter by parameter, with each one's placement along every
+        dimension of the state's mesh: a stage's own along pp, the table's along dp, the
+        layer's along tp (padding lies in no region)."""
+        layers = {layer.name: layer for layer in self.model.layers}
+        start = self.shard_comm.rank * array.size if sharded else 0
+        along_dp, regions = self.dp_placements(sharded), []
+        for key, first, end, _ in self.layout[name].spans:
+            layer, _, param = key.rpartition(".")  # a zero3 unit's keys are "layer.param"
+            tp = layers[layer or name].placement(param)
+            lo, hi = max(start, first), min(start + array.size, end)
+            if lo < hi:
+                placements = {"pp": Shard(0), **along_dp, "tp": tp}
+                regions.append(
+                    Region(lo - start, hi - start, placements, f"{layer or name}.{param}")
+                )
+        return regions
+
+    def clip_grads(self, grads: dict[str, np.ndarray], sharded: bool) -> None:
+        """--clip-grad-norm X: this step's factor, from the whole model's norm: this rank's
+        gradients (whole, or its shards), each counted once over the mesh (global_squares)."""
         if self.clip_grad_norm is not None:
             scaler = self.precision.scaler  # fp16's gradients are still scaled by it
             scale = 1.0 if scaler is None else scaler.scale
-            total = model_squares(self, grads, over)
+            regions = [(g, self.state_regions(name, g, sharded)) for name, g in grads.items()]
+            total = global_squares(regions, self.state_mesh)
             self.clip_factor = clip_coefficient(total, self.clip_grad_norm, scale)
 
     def update(self, params: np.ndarray, grad: np.ndarray, state: dict) -> None:

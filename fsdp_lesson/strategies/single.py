@@ -38,9 +38,9 @@ class Single(Strategy):
         self.precision.store_grad(layer)
 
     def step(self) -> None:
-        if self.precision.overflowed(self.comm, self.grads.values()):
+        if self.precision.overflowed(self.mesh.world, self.grads.values()):
             return
-        self.clip_grads(self.grads, over=None)  # whole gradients, alike on every rank
+        self.clip_grads(self.grads, sharded=False)  # whole gradients, alike on every dp rank
         self.optimizer.start_step()
         for name in self.layout:
             self.update(self.params[name], self.grads[name], self.opt_state[name])

@@ -25,9 +25,9 @@ class ZeRO1(Single):
 
     def step(self) -> None:
         grads = {name: self.owned_grad(name) for name in self.layout}
-        if self.precision.overflowed(self.comm, grads.values()):  # fp16: an inf skips it
+        if self.precision.overflowed(self.mesh.world, grads.values()):  # fp16: an inf skips it
             return
-        self.clip_grads(grads, over=self.comm)  # the owned shards of the mean
+        self.clip_grads(grads, sharded=True)  # the owned shards of the mean
         self.optimizer.start_step()
         for name, flat in self.layout.items():
             owned_params = flat.owned_shard(self.params[name], self.comm.rank)

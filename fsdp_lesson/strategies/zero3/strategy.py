@@ -79,6 +79,7 @@ class ZeRO3(Strategy):
                 shard_color, replica_color = comm.rank % replicate, comm.rank // replicate
             self.shard_comm = comm.split(shard_color, comm.rank, "shard")
             self.replica_comm = comm.split(replica_color, comm.rank, "replicate")
+            self.state_mesh = self.mesh.split_dp(self.replica_comm, self.shard_comm)
         self.units = make_units(model.layers, layers_per_unit, self.shard_comm.size)
         self.unit_of = {layer: unit for unit in self.units for layer in unit.layers}
         self.schedule = Schedule(self.units)
@@ -177,9 +178,9 @@ class ZeRO3(Strategy):
 
     def step(self) -> None:
         self.finish_reduce_scatters()
-        if self.precision.overflowed(self.comm, self.grad_shards.values()):  # fp16: inf, skip
+        if self.precision.overflowed(self.mesh.world, self.grad_shards.values()):  # inf: skip
             return
-        self.clip_grads(self.grad_shards, over=self.shard_comm)  # HSDP: one group's
+        self.clip_grads(self.grad_shards, sharded=True)  # HSDP: over its group, replicated
         self.optimizer.start_step()
         for name in self.layout:
             shard, grad = self.param_shards[name], self.grad_shards[name]
