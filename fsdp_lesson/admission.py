@@ -126,7 +126,7 @@ def _fitting_strategy(
 ) -> str | None:
     """'--strategy zero1 would fit' if a ZeRO stage would fit in `allowed` (beside a dataset
     whose loading peaks at `load` bytes and which keeps `kept`), else None."""
-    for s in (name for name, cls in STRATEGY_CLASSES.items() if cls.stage > 0):
+    for s in (name for name, cls in STRATEGY_CLASSES.items() if cls.shard_level > 0):
         other = TrainConfig(**(tc.to_dict() | {"strategy": s}))
         if s != tc.strategy and max(load, kept + predicted_peak(s, model_config, other, n)) <= (
             allowed

@@ -61,7 +61,7 @@ class EventLog(list):
         if params.size:
             strategy = self.strategy
             name = next(name for name, s in strategy.opt_state.items() if s is state)
-            self.add(COMPUTE, f"{'shard' if strategy.stage else 'all of'} {name}")
+            self.add(COMPUTE, f"{'shard' if strategy.shard_level else 'all of'} {name}")
 
 
 class DryComm(Comm):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .config import ModelConfig
 from .model import MLP
-from .sharding import STRATEGIES, ZERO_STAGE, is_sharded
+from .sharding import SHARD_LEVEL, STRATEGIES, is_sharded
 
 STAGES = tuple(s for s in STRATEGIES if s != "single")  # what one plans for N ranks
 
@@ -45,7 +45,7 @@ def state_bytes(stage: str, psi: float, n: int, precision: Precision = MIXED_ADA
         "grads": precision.grads * psi,
         "optimizer": precision.optimizer * psi,
     }
-    return {cat: b / n if is_sharded(ZERO_STAGE[stage], cat) else b for cat, b in full.items()}
+    return {cat: b / n if is_sharded(SHARD_LEVEL[stage], cat) else b for cat, b in full.items()}
 
 
 def traffic_bytes(stage: str, psi: float, n: int, bytes_per_element: int = 4) -> float:

@@ -349,7 +349,7 @@ def test_padding_stays_zero(world):
 
 def test_each_strategy_shards_what_it_declares(world):
     """The sharding table (sharding.py) is this literal table, and every rank allocates by it."""
-    from fsdp_lesson.sharding import ZERO_STAGE, is_sharded
+    from fsdp_lesson.sharding import SHARD_LEVEL, is_sharded
 
     n, results = world
     if n == 1:
@@ -363,8 +363,8 @@ def test_each_strategy_shards_what_it_declares(world):
     for name, r in results.items():
         tc, sizes = r["train_config"], layer_sizes(r["model_config"])
         expected = table[tc.strategy]
-        stage = ZERO_STAGE[tc.strategy]
-        assert tuple(is_sharded(stage, c) for c in ("params", "grads", "optimizer")) == expected
+        level = SHARD_LEVEL[tc.strategy]
+        assert tuple(is_sharded(level, c) for c in ("params", "grads", "optimizer")) == expected
         full = 4 * (sum(sizes) if tc.strategy == "dp" else sum(padded(s, n) for s in sizes))
         shard = 4 * sum(padded(s, n) for s in sizes) // n
         per_param = {"params": 1, "grads": 1, "optimizer": 2 if tc.optimizer == "adam" else 0}

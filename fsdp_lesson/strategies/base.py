@@ -33,7 +33,7 @@ from ..optim import clip_coefficient
 from ..placement import Placement, Region, Replicate, Shard, global_squares
 from ..precision import Precision
 from ..rng import Rng
-from ..sharding import ZERO_STAGE, is_sharded
+from ..sharding import SHARD_LEVEL, is_sharded
 
 
 def drawn_bytes(layer, whole: Params, piece: Params) -> int:
@@ -55,14 +55,14 @@ class Strategy:
     """Common state: the model, the optimizer, the Comm, the ledger, and each layer's FlatParam."""
 
     name = "base"
-    stage = 0  # the strategy's row of the sharding table, set from its name
+    shard_level = 0  # the strategy's row of the sharding table (ZeRO's stage), from its name
     # its own TrainConfig fields (zero3: FSDP's), and those a resume may change (bytes, not numbers)
     options: tuple[str, ...] = ()
     options_a_resume_may_change: frozenset[str] = frozenset()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls.stage = ZERO_STAGE.get(cls.name, cls.stage)  # a notebook's variant: its parent's
+        cls.shard_level = SHARD_LEVEL.get(cls.name, cls.shard_level)  # a variant: its parent's
 
     def __init__(
         self,
@@ -94,9 +94,9 @@ class Strategy:
     def numel(self, flat: FlatParam, category: str) -> int:
         """How many elements of a layer's `category` this rank keeps (the sharding table): a
         shard, 1/N of the padded vector; a whole vector, padded from zero1 on (cut into N)."""
-        if is_sharded(self.stage, category):
+        if is_sharded(self.shard_level, category):
             return flat.shard_size
-        return flat.padded_numel if self.stage > 0 else flat.numel
+        return flat.padded_numel if self.shard_level > 0 else flat.numel
 
     def alloc_per_layer(self, category: str, label: str) -> dict[str, np.ndarray]:
         """One zeroed flat array per layer, in the run's precision, sized by the table."""
@@ -125,9 +125,11 @@ class Strategy:
     def local_state(self) -> dict[str, StateArray]:
         """Everything that defines the model and the optimizer on this rank, by "layer.what" (not
         gradients, nor optimizer.t); mixed precision: the params are the fp32 master."""
-        state, optimizer_sharded = {}, is_sharded(self.stage, "optimizer")
+        state, optimizer_sharded = {}, is_sharded(self.shard_level, "optimizer")
         for name, params in self.param_arrays().items():
-            state[f"{name}.params"] = StateArray(params, name, is_sharded(self.stage, "params"))
+            state[f"{name}.params"] = StateArray(
+                params, name, is_sharded(self.shard_level, "params")
+            )
             for key, array in self.opt_state[name].items():  # mixed: "master" is the params
                 what = "params" if key == "master" else key
                 state[f"{name}.{what}"] = StateArray(array, name, optimizer_sharded)
@@ -143,7 +145,7 @@ class Strategy:
 
     def sixteen_bit(self, layer: str) -> StateArray:
         """Mixed precision: this rank's 16-bit parameters of a layer (whole or shard)."""
-        return StateArray(self.param_arrays()[layer], layer, is_sharded(self.stage, "params"))
+        return StateArray(self.param_arrays()[layer], layer, is_sharded(self.shard_level, "params"))
 
     def init_params(self, rng: Rng) -> None:
         """Initialise the parameters one layer at a time, keeping only what this rank holds.
@@ -239,30 +241,27 @@ class Strategy:
 
     # --- where the state lies on the mesh: placements (placement.py) ------------------------
 
-    def dp_placements(self, sharded: bool) -> dict[str, Placement]:
-        """An array's placement along the data-parallel dimension(s) of the state's mesh."""
-        along = Shard(0) if sharded else Replicate()
-        if "dp" in self.state_mesh.sizes:
-            return {"dp": along}
-        return {"dp_replicate": Replicate(), "dp_shard": along}  # HSDP
+    def placements(self, sharded: bool, tp: Placement) -> dict[str, Placement]:
+        """An array's placement along every dimension of the state's mesh: a stage holds its own
+        layers (pp), the sharding table says dp's, the layer tp's; a dimension that splits the
+        data but not the state (HSDP's replicas; context parallelism's) replicates it."""
+        along = {"pp": Shard(0), "tp": tp, "dp": Shard(0) if sharded else Replicate()}
+        along["dp_shard"] = along["dp"]
+        return {dim: along.get(dim, Replicate()) for dim in self.state_mesh.dims}
 
     def state_regions(self, name: str, array: np.ndarray, sharded: bool) -> list[Region]:
         """Where a layout entry's local array (its whole vector, or this rank's shard) lies in
-        the entry's flat vector, parameter by parameter, with each one's placement along every
-        dimension of the state's mesh: a stage's own along pp, the table's along dp, the
-        layer's along tp (padding lies in no region)."""
+        the entry's flat vector, parameter by parameter, with each one's placements (padding
+        lies in no region)."""
         layers = {layer.name: layer for layer in self.model.layers}
-        start = self.shard_comm.rank * array.size if sharded else 0
-        along_dp, regions = self.dp_placements(sharded), []
+        start, regions = self.shard_comm.rank * array.size if sharded else 0, []
         for key, first, end, _ in self.layout[name].spans:
             layer, _, param = key.rpartition(".")  # a zero3 unit's keys are "layer.param"
-            tp = layers[layer or name].placement(param)
+            layer = layer or name
             lo, hi = max(start, first), min(start + array.size, end)
             if lo < hi:
-                placements = {"pp": Shard(0), **along_dp, "tp": tp}
-                regions.append(
-                    Region(lo - start, hi - start, placements, f"{layer or name}.{param}")
-                )
+                placements = self.placements(sharded, layers[layer].placement(param))
+                regions.append(Region(lo - start, hi - start, placements, f"{layer}.{param}"))
         return regions
 
     def clip_grads(self, grads: dict[str, np.ndarray], sharded: bool) -> None:
