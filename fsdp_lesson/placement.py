@@ -7,7 +7,7 @@
 Every array a strategy keeps has one placement per mesh dimension (mesh.py): along tp, the
 layer's own (tensor.py: a column layer's W is Shard(1), a row layer's bias Replicate());
 along dp, the sharding table's (sharding.py: zero3's parameters Shard(0) of the flat vector);
-along pp, Shard: each stage holds its own layers. What every rank must compute from the whole
+along pp, OnStage: each stage holds its own layers. What every rank must compute from the whole
 model is then one generic function of (arrays, placements, mesh), whatever the mesh:
 
     cut_piece, join_pieces    this rank's piece of a whole array, and the whole from the pieces
@@ -32,13 +32,30 @@ class Shard:
 
     dim: int = 0
 
+    def __str__(self) -> str:
+        return f"Shard({self.dim})"
+
 
 @dataclass(frozen=True)
 class Replicate:
     """Whole and identical on every rank of a mesh dimension (DTensor's Replicate())."""
 
+    def __str__(self) -> str:
+        return "Replicate()"
 
-Placement = Shard | Replicate
+
+@dataclass(frozen=True)
+class OnStage:
+    """Held by pipeline stage `index` alone, the whole array: a stage owns its layers (PyTorch's
+    pipelining gives each stage its own module; DTensor places nothing along pp)."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"stage {self.index}"
+
+
+Placement = Shard | Replicate | OnStage
 
 
 def piece_range(width: int, size: int, rank: int) -> tuple[int, int, int]:
@@ -50,7 +67,7 @@ def piece_range(width: int, size: int, rank: int) -> tuple[int, int, int]:
 
 def piece_shape(shape: tuple[int, ...], placement: Placement, size: int) -> tuple[int, ...]:
     """The shape each of `size` ranks holds of an array of `shape` placed so."""
-    if isinstance(placement, Replicate):
+    if not isinstance(placement, Shard):
         return shape
     d = placement.dim
     return (*shape[:d], -(-shape[d] // size), *shape[d + 1 :])
@@ -58,7 +75,7 @@ def piece_shape(shape: tuple[int, ...], placement: Placement, size: int) -> tupl
 
 def cut_piece(whole: np.ndarray, placement: Placement, size: int, rank: int) -> np.ndarray:
     """Rank's piece of `whole` (a new array; a Shard's padding zero): DTensor's distribute."""
-    if isinstance(placement, Replicate):
+    if not isinstance(placement, Shard):
         return whole.copy()
     d = placement.dim
     start, stop, _ = piece_range(whole.shape[d], size, rank)
@@ -73,7 +90,7 @@ def join_pieces(
 ) -> np.ndarray:
     """The whole array from every rank's piece (an allgather over comm for a Shard, the
     padding cut off; a Replicate is whole already): DTensor's full_tensor."""
-    if isinstance(placement, Replicate):
+    if not isinstance(placement, Shard):
         return piece
     flat = np.empty(comm.size * piece.size, piece.dtype)
     gathered = comm.allgather(np.ascontiguousarray(piece).reshape(-1), flat)

@@ -34,6 +34,7 @@ from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, 
 from .placement import differing_replicas
 from .rng import Rng, make_rng
 from .strategies import Strategy, make_strategy, strategy_options
+from .strategies.base import state_regions
 from .tensor import megatron
 
 
@@ -192,13 +193,17 @@ def check_replicas(strategy: Strategy) -> None:
         what = key.rsplit(".", 1)[1]
         what = "" if what == "params" else f" {what}"
         arrays.append(
-            (what, entry.array, strategy.state_regions(entry.layer, entry.array, entry.sharded))
+            (what, entry.array, state_regions(strategy, entry.layer, entry.array, entry.sharded))
         )
     if strategy.mixed:  # and the 16-bit copy of the parameters
         for name in strategy.layout:
             entry = strategy.sixteen_bit(name)
             arrays.append(
-                (" params16", entry.array, strategy.state_regions(name, entry.array, entry.sharded))
+                (
+                    " params16",
+                    entry.array,
+                    state_regions(strategy, name, entry.array, entry.sharded),
+                )
             )
     differ = differing_replicas(arrays, strategy.state_mesh)
     if differ:

@@ -30,7 +30,7 @@ from ..memory import MemoryLedger
 from ..mesh import Mesh
 from ..model import MLP, Params
 from ..optim import clip_coefficient
-from ..placement import Placement, Region, Replicate, Shard, global_squares
+from ..placement import OnStage, Placement, Region, Replicate, Shard, global_squares
 from ..precision import Precision
 from ..rng import Rng
 from ..sharding import SHARD_LEVEL, is_sharded
@@ -40,6 +40,46 @@ def drawn_bytes(layer, whole: Params, piece: Params) -> int:
     """A layer's initial values, and the piece a split layer (tensor.py) copies from them."""
     copied = sum(a.nbytes for a in piece.values()) if layer.split else 0
     return sum(a.nbytes for a in whole.values()) + copied
+
+
+def placements(strategy: Strategy, sharded: bool, tp: Placement) -> dict[str, Placement]:
+    """An array's placement along every dimension of the strategy's state mesh: a stage holds
+    its own layers (pp), the sharding table says dp's, the layer tp's; a dimension that splits
+    the data but not the state (HSDP's replicas; context parallelism's) replicates it."""
+    stage = OnStage(strategy.state_mesh.coords["pp"])
+    along = {"pp": stage, "tp": tp, "dp": Shard(0) if sharded else Replicate()}
+    along["dp_shard"] = along["dp"]
+    return {dim: along.get(dim, Replicate()) for dim in strategy.state_mesh.dims}
+
+
+def state_regions(strategy: Strategy, name: str, array: np.ndarray, sharded: bool) -> list[Region]:
+    """Where a layout entry's local array (its whole vector, or this rank's shard) lies in the
+    entry's flat vector, parameter by parameter, with each one's placements (padding lies in
+    no region)."""
+    layers = {layer.name: layer for layer in strategy.model.layers}
+    start, regions = strategy.shard_comm.rank * array.size if sharded else 0, []
+    for key, first, end, _ in strategy.layout[name].spans:
+        layer, _, param = key.rpartition(".")  # a zero3 unit's keys are "layer.param"
+        layer = layer or name
+        lo, hi = max(start, first), min(start + array.size, end)
+        if lo < hi:
+            along = placements(strategy, sharded, layers[layer].placement(param))
+            regions.append(Region(lo - start, hi - start, along, f"{layer}.{param}"))
+    return regions
+
+
+def placement_table(strategy: Strategy) -> list[tuple[str, str, int]]:
+    """Where this rank's state lies, one row per parameter of each state array: (what, its
+    placement along every mesh dimension in DTensor's words, the bytes this rank holds), e.g.
+    ("fc1.W params", "pp stage 0, dp Shard(0), tp Shard(1)", 16384). For notebooks' tables."""
+    rows = []
+    for key, entry in strategy.local_state().items():
+        what = key.rsplit(".", 1)[1]
+        for region in state_regions(strategy, entry.layer, entry.array, entry.sharded):
+            where = ", ".join(f"{dim} {p}" for dim, p in region.placements.items())
+            size = (region.stop - region.start) * entry.array.itemsize
+            rows.append((f"{region.name} {what}", where, size))
+    return rows
 
 
 @dataclass(frozen=True)
@@ -80,8 +120,8 @@ class Strategy:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, self.mesh.dp, ledger
         self.shard_comm = self.comm  # the ranks a sharded array is split over (HSDP: a group)
         self.state_mesh = self.mesh  # the mesh the state is placed on (HSDP: dp cut in two)
-        comm = self.comm
-        self.layout = {layer.name: FlatParam(layer.shapes, comm.size) for layer in model.layers}
+        n = self.comm.size
+        self.layout = {layer.name: FlatParam(layer.shapes, n) for layer in model.layers}
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
         self.precision = Precision(precision, ledger)
         self.dtype, self.mixed = self.precision.dtype, self.precision.mixed
@@ -239,38 +279,13 @@ class Strategy:
         """Whether this micro-batch's backward reduces gradients ("last": only the last one)."""
         return self.accum_reduce == "every" or self.micro == self.accum - 1
 
-    # --- where the state lies on the mesh: placements (placement.py) ------------------------
-
-    def placements(self, sharded: bool, tp: Placement) -> dict[str, Placement]:
-        """An array's placement along every dimension of the state's mesh: a stage holds its own
-        layers (pp), the sharding table says dp's, the layer tp's; a dimension that splits the
-        data but not the state (HSDP's replicas; context parallelism's) replicates it."""
-        along = {"pp": Shard(0), "tp": tp, "dp": Shard(0) if sharded else Replicate()}
-        along["dp_shard"] = along["dp"]
-        return {dim: along.get(dim, Replicate()) for dim in self.state_mesh.dims}
-
-    def state_regions(self, name: str, array: np.ndarray, sharded: bool) -> list[Region]:
-        """Where a layout entry's local array (its whole vector, or this rank's shard) lies in
-        the entry's flat vector, parameter by parameter, with each one's placements (padding
-        lies in no region)."""
-        layers = {layer.name: layer for layer in self.model.layers}
-        start, regions = self.shard_comm.rank * array.size if sharded else 0, []
-        for key, first, end, _ in self.layout[name].spans:
-            layer, _, param = key.rpartition(".")  # a zero3 unit's keys are "layer.param"
-            layer = layer or name
-            lo, hi = max(start, first), min(start + array.size, end)
-            if lo < hi:
-                placements = self.placements(sharded, layers[layer].placement(param))
-                regions.append(Region(lo - start, hi - start, placements, f"{layer}.{param}"))
-        return regions
-
     def clip_grads(self, grads: dict[str, np.ndarray], sharded: bool) -> None:
         """--clip-grad-norm X: this step's factor, from the whole model's norm: this rank's
         gradients (whole, or its shards), each counted once over the mesh (global_squares)."""
         if self.clip_grad_norm is not None:
             scaler = self.precision.scaler  # fp16's gradients are still scaled by it
             scale = 1.0 if scaler is None else scaler.scale
-            regions = [(g, self.state_regions(name, g, sharded)) for name, g in grads.items()]
+            regions = [(g, state_regions(self, name, g, sharded)) for name, g in grads.items()]
             total = global_squares(regions, self.state_mesh)
             self.clip_factor = clip_coefficient(total, self.clip_grad_norm, scale)
 
