@@ -44,6 +44,7 @@ from .model import MLP
 from .rng import Rng
 from .sharding import STRATEGIES
 from .strategies import STRATEGY_CLASSES, Strategy
+from .watchdog import in_phase
 
 FORMAT = 5  # 5: whole layers, each with the ranks that wrote it (4: a plain run's, still read)
 # TrainConfig fields a resumed run may change; everything else must match the checkpoint.
@@ -183,6 +184,7 @@ def write_failure(err: OSError, flag: str = "--out") -> str:
     return f"{reason} writing {err.filename}: {fix}"
 
 
+@in_phase("a checkpoint save")
 def save_checkpoint(
     directory: str | os.PathLike,
     strategy: Strategy,
@@ -538,14 +540,21 @@ def read_pieces(directory: Path, manifest: dict, model, needed: set[str]) -> dic
     return vectors
 
 
+def entry_layers(flat: FlatParam, name: str) -> list[str]:
+    """The layers a layout entry holds, in order: the layer `name` itself, or a zero3 unit's
+    (--layers-per-unit K), whose keys are "layer.param"."""
+    layers = dict.fromkeys(key.rpartition(".")[0] for key, *_ in flat.spans)
+    return [layer for layer in layers if layer] or [name]
+
+
 def to_layout(vectors: dict[str, np.ndarray], strategy: Strategy) -> dict[str, np.ndarray]:
-    """The whole vectors of strategy.local_state()'s keys: a layer's as it is; a zero3 unit's
-    (--layers-per-unit K) its layers' vectors one after another."""
-    groups = {unit.name: unit.layers for unit in getattr(strategy, "units", ())}
+    """The whole vectors of strategy.local_state()'s keys: each layout entry's layers' vectors
+    one after another (a layer alone: its own)."""
     out = {}
     for key in strategy.local_state():
         name, what = key.rsplit(".", 1)
-        parts = [vectors[f"{layer}.{what}"] for layer in groups.get(name, (name,))]
+        layers = entry_layers(strategy.layout[name], name)
+        parts = [vectors[f"{layer}.{what}"] for layer in layers]
         out[key] = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return out
 
@@ -584,6 +593,7 @@ def _check_rng_state(state: dict, directory: Path) -> None:
         )
 
 
+@in_phase("a checkpoint load")
 def load_checkpoint(
     directory: str | os.PathLike,
     strategy: Strategy,

@@ -15,6 +15,7 @@ import numpy as np
 
 from .memory import Activations
 from .strategies import Strategy
+from .watchdog import WHERE
 
 
 def forward(
@@ -28,6 +29,7 @@ def forward(
     every layer's cache, or with recompute only each block's input (the first layer's cache)."""
     strategy.begin_phase("forward")
     for layer in model.layers:
+        WHERE.layer = layer.name  # for a timed-out collective's line (watchdog.py)
         p = strategy.materialize(layer)
         x, cache = layer.forward(p, x)
         if acts is not None:
@@ -35,6 +37,7 @@ def forward(
             if recompute and layer.name not in model.block_inputs:
                 acts.drop()  # backward computes it again from the block's input
         strategy.release(layer)
+    WHERE.layer = None
     return x
 
 
@@ -62,8 +65,11 @@ def backward(model, strategy: Strategy, acts: Activations, recompute: bool = Fal
         if recompute:
             recompute_block(strategy, block, acts)
         for layer in reversed(block):
+            WHERE.layer = layer.name
             p = strategy.materialize(layer)
             dx = layer.backward(p, acts.pop(), dx, strategy.grad_buffer(layer))
             acts.gradient(f"d_in {layer.name}", dx)
+            strategy.precision.store_grad(layer)  # 16-bit: into the strategy's own buffer
             strategy.reduce_grads(layer)
             strategy.release(layer)
+    WHERE.layer = None

@@ -11,7 +11,9 @@ Both transients are counted by the ledger as buffers. bfloat16 comes from `ml_dt
 NumPy dtype extension JAX uses); float16 is numpy's own.
 
 `Precision` holds all of it for a strategy: the dtype, the upcast copies, the float32
-gradient scratch, the loss scale and the update on the master. The strategies only call it.
+gradient scratch, the loss scale and the update on the master. The strategies call it, and the
+loop stores each layer's gradient through it after backward (store_grad, in passes.backward),
+so that no strategy can forget to.
 
 float16 keeps 5 exponent bits: small gradients underflow to 0 and large ones overflow to inf.
 Loss scaling multiplies the gradient by S before it is stored in 16 bits and divides it out in

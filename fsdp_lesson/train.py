@@ -36,6 +36,7 @@ from .rng import Rng, make_rng
 from .strategies import Strategy, make_strategy, strategy_options
 from .strategies.base import state_regions
 from .tensor import megatron
+from .watchdog import WHERE, in_phase
 
 
 def train_step(
@@ -81,6 +82,7 @@ def whole_params(strategy: Strategy) -> dict[str, Params]:
     return gather_stages(strategy.full_params(root=0), strategy.model.pp)
 
 
+@in_phase("the validation loss")
 def evaluate(
     stage: Stage, strategy: Strategy, data: Dataset, rng: Rng, batch_size: int, n_batches: int
 ) -> float:
@@ -95,6 +97,7 @@ def evaluate(
     return total / n_batches
 
 
+@in_phase("sampling")
 def sample_name(
     stage: Stage, strategy: Strategy, rng: Rng, max_tokens: int = 64, root: int = 0
 ) -> list[int]:
@@ -180,6 +183,7 @@ class ReplicaMismatch(RuntimeError):
     """State that every rank should hold identically differs between ranks: a sharding bug."""
 
 
+@in_phase("the replicas' check")
 def check_replicas(strategy: Strategy) -> None:
     """Raise on every rank if any replicated state is not bit-identical on all ranks that hold
     it: every parameter and optimizer array, along every mesh dimension it is Replicate over
@@ -345,7 +349,7 @@ def train_loop(
     # overflow and log(0) are expected when training diverges: the loss check below says so
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for step in range(first_step, tc.steps):
-            start = time.perf_counter()
+            WHERE.step, start = step, time.perf_counter()
             X, Y = sampler.next_slice(comm.rank, comm.size)  # rank_slice of the global batch
             if step == rc.timeline_step:
                 ledger.timeline = [("start", ledger.live_total)]
@@ -378,6 +382,7 @@ def train_loop(
                 save_checkpoint(
                     rc.checkpoint_dir, strategy, step + 1, rng, *configs, history.losses
                 )
+    WHERE.step = None  # what follows names its own phase
 
 
 def finish(

@@ -15,7 +15,7 @@ per call.
     WatchedComm      what the watchdog reads of a communicator, and its watched blocking call
     Peer             the one rank a point-to-point wait depends on (a pipeline's send or recv)
     Arrivals         how many collectives each rank has entered, in shared memory
-    whereabouts      where the waiting rank was (step, layer), read from its stack
+    WHERE, in_phase  where the loop is (step, phase, layer), as the loop says
     timeout_message  the one line (peer_timeout_message: a point-to-point wait's)
     Watchdog         the daemon thread (WATCHDOG, one per process), and end_the_job
     BarrierAtExit    a watched barrier before MPI_Finalize, which cannot be watched
@@ -26,10 +26,11 @@ Nothing here imports comm.py: the watchdog only reads the communicators handed t
 from __future__ import annotations
 
 import atexit
+import functools
 import os
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from time import monotonic
@@ -203,42 +204,44 @@ def process_state(pid: int) -> str:
     return PROCESS_STATES.get(stat.rsplit(")", 1)[1].split()[0], "alive")
 
 
-# the functions whose frames say where a waiting rank was (read on a timeout only)
-STRATEGIES_DIR = str(Path(__file__).parent / "strategies")
-PHASES = {
-    "evaluate": "the validation loss",
-    "sample_name": "sampling",
-    "save_checkpoint": "a checkpoint save",
-    "load_checkpoint": "a checkpoint load",
-    "check_replicas": "the replicas' check",
-    "full_params": "the final gather",
-}
+class Whereabouts:
+    """Where this process's loop is, as the loop itself says (as begin_phase tells a strategy):
+    the training step, the phase it is in (evaluation, sampling, a checkpoint, ...) and the layer
+    its passes are at. The watchdog reads it only when a collective has timed out."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None  # train.train_loop's step, None outside the loop
+        self.layer: str | None = None  # passes.forward/backward's layer, None between layers
+        self.phases: list[str] = []  # in_phase's, innermost last
+
+    def text(self) -> str:
+        """ "of step 12 at layer fc1", "of the validation loss", "" if nothing was said."""
+        phase = self.phases[-1] if self.phases else None
+        if phase is None and self.step is not None:
+            phase = f"step {self.step}"
+        parts = (phase and f"of {phase}", self.layer and f"at layer {self.layer}")
+        return " ".join(part for part in parts if part)
 
 
-def whereabouts(frame) -> str:
-    """Where the waiting thread was, from its stack: "of step 12 at layer fc1", "" if unknown.
+WHERE = Whereabouts()  # the process's: one loop runs at a time
 
-    Read only when a collective has timed out, so the hot path pays nothing for it: the layer
-    is the innermost `layer` or `unit` of a strategy's hook (its argument), the phase the
-    innermost function of PHASES, else the training loop's step (train.train_loop's `step`).
-    """
-    layer = phase = None
-    while frame is not None:
-        name, local = frame.f_code.co_name, frame.f_locals
-        if layer is None and STRATEGIES_DIR in frame.f_code.co_filename:
-            for key in ("unit", "layer"):
-                label = getattr(local.get(key), "name", None)
-                if isinstance(label, str):
-                    layer = label
-                    break
-        if phase is None and name in PHASES:
-            phase = PHASES[name]
-        if phase is None and name == "train_loop" and isinstance(local.get("step"), int):
-            phase = f"step {local['step']}"
-        frame = frame.f_back
-    return " ".join(
-        part for part in (phase and f"of {phase}", layer and f"at layer {layer}") if part
-    )
+
+def in_phase(phase: str) -> Callable:
+    """Decorate a function whose collectives belong to `phase` ("the validation loss"): while
+    it runs, a timed-out collective says so."""
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def inside(*args, **kwargs):
+            WHERE.phases.append(phase)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                WHERE.phases.pop()
+
+        return inside
+
+    return decorate
 
 
 def timeout_message(
@@ -320,11 +323,10 @@ class Watchdog:
             waiting = self.waiting
             if waiting is None:
                 continue
-            comm, kind, entered, since, thread = waiting
+            comm, kind, entered, since, _ = waiting
             waited = monotonic() - since
             if waited > comm.timeout:
-                frame = sys._current_frames().get(thread)
-                end_the_job(comm, kind, entered, waited, whereabouts(frame))
+                end_the_job(comm, kind, entered, waited, WHERE.text())
                 return
 
 

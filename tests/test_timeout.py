@@ -22,7 +22,13 @@ from fsdp_lesson.comm import Comm
 from fsdp_lesson.config import ConfigError, ModelConfig, TrainConfig
 from fsdp_lesson.launch import rank_env
 from fsdp_lesson.train import run as train
-from fsdp_lesson.watchdog import DEFAULT_TIMEOUT, EXIT_TIMEOUT, timeout_message, whereabouts
+from fsdp_lesson.watchdog import (
+    DEFAULT_TIMEOUT,
+    EXIT_TIMEOUT,
+    WHERE,
+    in_phase,
+    timeout_message,
+)
 
 TRAIN = [sys.executable, "-m", "fsdp_lesson", "train"]
 
@@ -43,19 +49,22 @@ def test_the_message_names_the_collective_where_and_who_has_not_arrived():
     assert "\n" not in line + two + inside
 
 
-def evaluate():  # named as train.py's: the phase a waiting rank was in
-    return whereabouts(sys._getframe())
+@in_phase("the validation loss")
+def evaluate():
+    return WHERE.text()
 
 
-def train_loop(step):  # named as train.train_loop, whose local `step` is the loop's
-    return whereabouts(sys._getframe()), evaluate()
-
-
-def test_where_the_rank_was_is_read_from_its_stack():
-    in_loop, in_evaluation = train_loop(12)
-    assert in_loop == "of step 12"
-    assert in_evaluation == "of the validation loss"  # the innermost phase wins
-    assert whereabouts(None) == ""
+def test_where_the_rank_was_is_what_the_loop_said():
+    """The loop tells WHERE its step and the passes their layer; a phase wins over the step."""
+    assert WHERE.text() == ""
+    WHERE.step, WHERE.layer = 12, "fc1"
+    try:
+        assert WHERE.text() == "of step 12 at layer fc1"
+        WHERE.layer = None
+        assert evaluate() == "of the validation loss"  # the innermost phase wins
+        assert WHERE.text() == "of step 12"  # and ends with its function
+    finally:
+        WHERE.step = WHERE.layer = None
 
 
 def test_the_timeout_is_a_positive_number_of_seconds_and_changes_no_number():

@@ -34,6 +34,7 @@ from ..placement import OnStage, Placement, Region, Replicate, Shard, global_squ
 from ..precision import Precision
 from ..rng import Rng
 from ..sharding import SHARD_LEVEL, is_sharded
+from ..watchdog import in_phase
 
 
 def drawn_bytes(layer, whole: Params, piece: Params) -> int:
@@ -255,6 +256,7 @@ class Strategy:
         """optimizer.step(): update the parameters this rank owns."""
         raise NotImplementedError
 
+    @in_phase("the final gather")
     def full_params(self, root: int | None = None) -> dict[str, Params]:
         """Every whole layer's parameters as shaped copies on all ranks (a collective, over tp too:
         `layer.whole`), one layer at a time; with `root`, only that rank keeps them (others: {})."""

@@ -28,7 +28,6 @@ class DataParallel(Single):
         self.reducing: list[Request] = []  # the allreduces in flight, one per layer
 
     def reduce_grads(self, layer) -> None:
-        self.precision.store_grad(layer)
         if self.reducing_now:
             self.reducing.append(self.comm.iallreduce_mean(self.grads[layer.name], layer.name))
 

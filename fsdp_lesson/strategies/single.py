@@ -34,9 +34,6 @@ class Single(Strategy):
         """The layer's whole gradient; after the first micro-batch, added to (accumulation)."""
         return self.precision.grad_target(layer, self.grad_views[layer.name], self.micro > 0)
 
-    def reduce_grads(self, layer) -> None:
-        self.precision.store_grad(layer)
-
     def step(self) -> None:
         if self.precision.overflowed(self.mesh.world, self.grads.values()):
             return

@@ -59,7 +59,6 @@ class ZeRO2(ZeRO1):
 
     def reduce_grads(self, layer) -> None:
         """Right after the layer's backward: its mean gradient shard; the buffer is free again."""
-        self.precision.store_grad(layer)
         if self.accumulate_full_grads:
             if self.micro == self.accum - 1:
                 full = self.accumulated.pop(layer.name)

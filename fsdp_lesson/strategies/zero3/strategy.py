@@ -73,12 +73,13 @@ class ZeRO3(Strategy):
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.replica_comm = None
         if replicate > 1:  # a shard group and a replica group through every rank
-            group = comm.size // replicate
-            shard_color, replica_color = comm.rank // group, comm.rank % group
+            dp = self.comm
+            group = dp.size // replicate
+            shard_color, replica_color = dp.rank // group, dp.rank % group
             if shard_group == "strided":  # ranks R apart shard; consecutive ones replicate
-                shard_color, replica_color = comm.rank % replicate, comm.rank // replicate
-            self.shard_comm = comm.split(shard_color, comm.rank, "shard")
-            self.replica_comm = comm.split(replica_color, comm.rank, "replicate")
+                shard_color, replica_color = dp.rank % replicate, dp.rank // replicate
+            self.shard_comm = dp.split(shard_color, dp.rank, "shard")
+            self.replica_comm = dp.split(replica_color, dp.rank, "replicate")
             self.state_mesh = self.mesh.split_dp(self.replica_comm, self.shard_comm)
         self.units = make_units(model.layers, layers_per_unit, self.shard_comm.size)
         self.unit_of = {layer: unit for unit in self.units for layer in unit.layers}
@@ -163,7 +164,6 @@ class ZeRO3(Strategy):
     def reduce_grads(self, layer) -> None:
         """After the unit's backward: reduce-scatter its gradient (with prefetch, it runs during
         the next unit's backward, and the one before it is waited for)."""
-        self.precision.store_grad(layer)
         unit = self.unit_of[layer.name]
         add = self.micro > 0 and not self.accumulate_full_grads  # to an earlier micro-batch's
         if self.local_biases is not None and unit.flat.numel:
