@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from .plan import STAGES as STRATEGIES  # the strategies one runs on N ranks
+from .plan import PLANNED as STRATEGIES  # the strategies one runs on N ranks
 
 # name -> (ModelConfig fields, steps): 18,635, 0.93 M and 30.0 M parameters.
 MODELS = {

@@ -13,11 +13,11 @@ from .config import ModelConfig
 from .model import MLP
 from .sharding import SHARD_LEVEL, STRATEGIES, is_sharded
 
-STAGES = tuple(s for s in STRATEGIES if s != "single")  # what one plans for N ranks
+PLANNED = tuple(s for s in STRATEGIES if s != "single")  # the strategies one plans for N ranks
 
 
 @dataclass(frozen=True)
-class Precision:
+class BytesPerParam:
     """Bytes per parameter of the parameters, the gradients and the optimizer state."""
 
     params: int
@@ -25,37 +25,41 @@ class Precision:
     optimizer: int
 
 
-FP32_SGD = Precision(4, 4, 0)  # this package with --optimizer sgd
-FP32_ADAM = Precision(4, 4, 8)  # this package with --optimizer adam: m and v
-MIXED_ADAM = Precision(2, 2, 12)  # the ZeRO paper: fp16 params and grads, K = 12 (fp32 copy, m, v)
-MIXED_SGD = Precision(2, 2, 4)  # --precision bf16/fp16 --optimizer sgd: the fp32 master only
+FP32_SGD = BytesPerParam(4, 4, 0)  # this package with --optimizer sgd
+FP32_ADAM = BytesPerParam(4, 4, 8)  # this package with --optimizer adam: m and v
+MIXED_ADAM = BytesPerParam(
+    2, 2, 12
+)  # the ZeRO paper: fp16 params and grads, K = 12 (fp32 copy, m, v)
+MIXED_SGD = BytesPerParam(2, 2, 4)  # --precision bf16/fp16 --optimizer sgd: the fp32 master only
 
 
-def precision_of(precision: str, optimizer: str) -> Precision:
+def precision_of(precision: str, optimizer: str) -> BytesPerParam:
     """Bytes per parameter of a run of this package (--precision, --optimizer)."""
     if precision == "fp32":
         return FP32_ADAM if optimizer == "adam" else FP32_SGD
     return MIXED_ADAM if optimizer == "adam" else MIXED_SGD
 
 
-def state_bytes(stage: str, psi: float, n: int, precision: Precision = MIXED_ADAM) -> dict:
+def state_bytes(strategy: str, psi: float, n: int, precision: BytesPerParam = MIXED_ADAM) -> dict:
     """Bytes per rank of params, grads and optimizer state (the paper's table; Ψ = psi)."""
     full = {
         "params": precision.params * psi,
         "grads": precision.grads * psi,
         "optimizer": precision.optimizer * psi,
     }
-    return {cat: b / n if is_sharded(SHARD_LEVEL[stage], cat) else b for cat, b in full.items()}
+    return {cat: b / n if is_sharded(SHARD_LEVEL[strategy], cat) else b for cat, b in full.items()}
 
 
-def traffic_bytes(stage: str, psi: float, n: int, bytes_per_element: int = 4) -> float:
+def traffic_bytes(strategy: str, psi: float, n: int, bytes_per_element: int = 4) -> float:
     """Bytes one rank sends per step under the ring model: 2Ψ for dp/zero1/zero2, 3Ψ for zero3."""
-    passes = 3 if stage == "zero3" else 2  # zero3: allgather fwd + allgather bwd + reduce-scatter
+    passes = (
+        3 if strategy == "zero3" else 2
+    )  # zero3: allgather fwd + allgather bwd + reduce-scatter
     return passes * (n - 1) / n * psi * bytes_per_element
 
 
 def step_seconds(
-    stage: str, psi: float, n: int, bandwidth: float, bytes_per_element: int = 2
+    strategy: str, psi: float, n: int, bandwidth: float, bytes_per_element: int = 2
 ) -> float:
     """A model, not a measurement: the step's communication time, traffic / bandwidth (B/s).
 
@@ -64,7 +68,7 @@ def step_seconds(
     way: a ring in host order puts one rank's sends on each cable, whatever the ranks per host
     (benchmarks/bench_hosts.py: within 1.5x of zero3's and dp's measured collective seconds).
     """
-    return traffic_bytes(stage, psi, n, bytes_per_element) / bandwidth
+    return traffic_bytes(strategy, psi, n, bytes_per_element) / bandwidth
 
 
 # --- planning a real model: every term of a GPU's memory -----------------------------------
@@ -113,7 +117,7 @@ def transformer_activation_bytes(
 
 def gpu_bytes(
     model: Transformer,
-    stage: str,
+    strategy: str,
     n: int,
     *,
     precision: str = "bf16",
@@ -124,9 +128,9 @@ def gpu_bytes(
     """Bytes per GPU of a real model with Adam: the ZeRO state (`state_bytes`), zero3's
     gathered layers (one computing, one prefetched, in 16 bits), and the activations."""
     bytes_per = precision_of(precision, "adam")
-    out = state_bytes(stage, model.params, n, bytes_per)
+    out = state_bytes(strategy, model.params, n, bytes_per)
     layer = 12 * model.hidden**2  # one transformer layer's parameters: zero3's unit
-    out["gathered"] = 2 * layer * bytes_per.params if stage == "zero3" else 0
+    out["gathered"] = 2 * layer * bytes_per.params if strategy == "zero3" else 0
     item = bytes_per.params  # activations in the compute precision
     out["activations"] = transformer_activation_bytes(model, seq_len, micro_batch, recompute, item)
     return out
@@ -192,7 +196,7 @@ def bubble_fraction(pp: int, micro_batches: int) -> float:
 
 def mesh_gpu_bytes(
     model: Transformer,
-    stage: str,
+    strategy: str,
     dp: int,
     tp: int = 1,
     pp: int = 1,
@@ -208,11 +212,11 @@ def mesh_gpu_bytes(
     """Bytes per GPU of the first pipeline stage on a (dp, tp, pp) mesh, Adam: gpu_bytes with
     the stage's parameters over tp (`stage_params`) as ZeRO's Ψ over dp, zero3's two gathered
     layers cut by tp, and activations for ceil(L/pp) layers times the micro-batches in flight.
-    With tp = pp = 1 it is gpu_bytes(model, stage, dp, ...)."""
+    With tp = pp = 1 it is gpu_bytes(model, strategy, dp, ...)."""
     bytes_per = precision_of(precision, "adam")
-    out = state_bytes(stage, stage_params(model, tp, pp), dp, bytes_per)
+    out = state_bytes(strategy, stage_params(model, tp, pp), dp, bytes_per)
     layer = 12 * model.hidden**2 / tp  # zero3's unit: one layer's share of this GPU
-    out["gathered"] = 2 * layer * bytes_per.params if stage == "zero3" else 0
+    out["gathered"] = 2 * layer * bytes_per.params if strategy == "zero3" else 0
     item = bytes_per.params
     full = layer_activation_bytes(model, seq_len, micro_batch, tp, sequence_parallel, item)
     # recomputation keeps each layer's input, cut along the sequence with sequence parallelism,
@@ -225,7 +229,7 @@ def mesh_gpu_bytes(
 
 def mesh_traffic_bytes(
     model: Transformer,
-    stage: str,
+    strategy: str,
     dp: int,
     tp: int = 1,
     pp: int = 1,
@@ -238,7 +242,7 @@ def mesh_traffic_bytes(
 ) -> dict[str, float]:
     """Bytes one GPU sends per step along each dimension of the mesh (ring model, 16 bits):
 
-    dp: the ZeRO stage's `traffic_bytes` over the GPU's parameters (`stage_params`, ≈ Ψ/(tp·pp)),
+    dp: the strategy's `traffic_bytes` over the GPU's parameters (`stage_params`, ≈ Ψ/(tp·pp)),
         once per step: the m micro-batches' gradients summed before the reduction.
     tp: per layer and micro-batch, Megatron's 4 allreduces of s·b·h (2 forward, 2 backward;
         recomputation runs forward's 2 again), each sending 2(t−1)/t of it. Sequence
@@ -252,7 +256,7 @@ def mesh_traffic_bytes(
     allreduces = 6 if recompute else 4
     per_layer = allreduces * 2 * (tp - 1) / tp * message
     return {
-        "dp": traffic_bytes(stage, stage_params(model, tp, pp), dp, item),
+        "dp": traffic_bytes(strategy, stage_params(model, tp, pp), dp, item),
         "tp": micro_batches * stage_layers(model, pp) * per_layer,
         "pp": micro_batches * min(2, pp - 1) * message,
     }
@@ -272,14 +276,19 @@ def meshes(model: Transformer, gpus: int, max_tp: int = 8) -> list[tuple[int, in
 
 
 def fitting_meshes(
-    model: Transformer, gpus: int, stage: str = "zero1", *, capacity: float = GPU_CAPACITY, **levers
+    model: Transformer,
+    gpus: int,
+    strategy: str = "zero1",
+    *,
+    capacity: float = GPU_CAPACITY,
+    **levers,
 ) -> list[tuple[int, int, int]]:
     """The meshes of `meshes` whose first-stage GPU needs at most `capacity` bytes; `levers`
     are mesh_gpu_bytes' keywords (micro_batches, schedule, sequence_parallel, recompute, ...)."""
     return [
         mesh
         for mesh in meshes(model, gpus)
-        if sum(mesh_gpu_bytes(model, stage, *mesh, **levers).values()) <= capacity
+        if sum(mesh_gpu_bytes(model, strategy, *mesh, **levers).values()) <= capacity
     ]
 
 

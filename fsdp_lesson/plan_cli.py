@@ -17,8 +17,8 @@ import sys
 from .plan import (
     GPU_CAPACITY,
     MODELS,
+    PLANNED,
     SCHEDULES,
-    STAGES,
     bubble_fraction,
     fitting_meshes,
     mesh_gpu_bytes,
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", choices=list(MODELS), default="405B", help="Llama-like shape")
     parser.add_argument("--gpus", type=int, default=1024, help="GPUs in all: dp·tp·pp")
-    parser.add_argument("--stage", choices=STAGES, default="zero1", help="ZeRO stage over dp")
+    parser.add_argument("--strategy", choices=PLANNED, default="zero1", help="ZeRO over dp")
     parser.add_argument(
         "--tp", type=int, help="tensor-parallel GPUs (default: list the meshes, tp <= 8)"
     )
@@ -103,15 +103,15 @@ def traffic(args: argparse.Namespace, dp: int, tp: int, pp: int) -> dict[str, fl
     """Bytes one GPU sends per step along dp, tp and pp (mesh_traffic_bytes)."""
     model, lever = MODELS[args.model], levers(args)
     keep = ("seq_len", "micro_batch", "micro_batches", "recompute")
-    return mesh_traffic_bytes(model, args.stage, dp, tp, pp, **{k: lever[k] for k in keep})
+    return mesh_traffic_bytes(model, args.strategy, dp, tp, pp, **{k: lever[k] for k in keep})
 
 
 def say_mesh(args: argparse.Namespace, tp: int, pp: int) -> None:
     """One mesh: a first-stage GPU's bytes by category, the bubble, the traffic by dimension."""
     model, dp = MODELS[args.model], args.gpus // (tp * pp)
-    memory = mesh_gpu_bytes(model, args.stage, dp, tp, pp, **levers(args))
+    memory = mesh_gpu_bytes(model, args.strategy, dp, tp, pp, **levers(args))
     total = sum(memory.values())
-    print(f"{model.name} on dp {dp} × tp {tp} × pp {pp} = {args.gpus} GPUs, {args.stage}")
+    print(f"{model.name} on dp {dp} × tp {tp} × pp {pp} = {args.gpus} GPUs, {args.strategy}")
     print(f"bytes per GPU of the first stage ({stage_layers(model, pp)} of {model.layers} layers):")
     for category, size in memory.items():
         print(f"  {category:<12} {size / GIB:9.1f} GiB")
@@ -127,11 +127,11 @@ def say_mesh(args: argparse.Namespace, tp: int, pp: int) -> None:
 def say_fitting(args: argparse.Namespace) -> None:
     """Every mesh of --gpus GPUs that fits 80 GiB, with its bubble and traffic; or the nearest."""
     model = MODELS[args.model]
-    fitting = fitting_meshes(model, args.gpus, args.stage, **levers(args))
-    print(f"meshes of {args.gpus} GPUs where {model.name} fits an 80 GiB GPU ({args.stage}):")
+    fitting = fitting_meshes(model, args.gpus, args.strategy, **levers(args))
+    print(f"meshes of {args.gpus} GPUs where {model.name} fits an 80 GiB GPU ({args.strategy}):")
     if not fitting:
         needs = {
-            mesh: mesh_gpu_bytes(model, args.stage, *mesh, **levers(args))
+            mesh: mesh_gpu_bytes(model, args.strategy, *mesh, **levers(args))
             for mesh in meshes(model, args.gpus)
         }
         dp, tp, pp = least = min(needs, key=lambda mesh: sum(needs[mesh].values()))
@@ -144,7 +144,7 @@ def say_fitting(args: argparse.Namespace) -> None:
         return
     print(f"  {'dp':>5} {'tp':>3} {'pp':>4}  {'GiB/GPU':>8}  {'bubble':>6}  GiB sent: dp, tp, pp")
     for dp, tp, pp in fitting:
-        total = sum(mesh_gpu_bytes(model, args.stage, dp, tp, pp, **levers(args)).values())
+        total = sum(mesh_gpu_bytes(model, args.strategy, dp, tp, pp, **levers(args)).values())
         sent = "  ".join(f"{b / GIB:7.1f}" for b in traffic(args, dp, tp, pp).values())
         bubble = bubble_fraction(pp, args.micro_batches)
         print(f"  {dp:>5} {tp:>3} {pp:>4}  {total / GIB:8.1f}  {bubble:6.1%}  {sent}")

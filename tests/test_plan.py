@@ -7,7 +7,7 @@ from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.plan import (
     FP32_ADAM,
-    STAGES,
+    PLANNED,
     ledger_bytes,
     state_bytes,
     step_seconds,
@@ -17,7 +17,7 @@ from fsdp_lesson.train import run
 
 
 def test_reproduces_the_zero_papers_7_5b_on_64_gpus():
-    gb = {stage: round(sum(state_bytes(stage, 7.5e9, 64).values()) / 1e9, 1) for stage in STAGES}
+    gb = {stage: round(sum(state_bytes(stage, 7.5e9, 64).values()) / 1e9, 1) for stage in PLANNED}
     assert gb == {"dp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
 
 
@@ -34,7 +34,7 @@ def test_fp32_adam_table():
 def test_traffic_is_2_psi_or_3_psi_and_zero_on_one_rank():
     assert traffic_bytes("dp", 1000, 4) == traffic_bytes("zero2", 1000, 4) == 2 * 0.75 * 4000
     assert traffic_bytes("zero3", 1000, 4) == 1.5 * traffic_bytes("dp", 1000, 4)
-    assert all(traffic_bytes(stage, 1000, 1) == 0 for stage in STAGES)
+    assert all(traffic_bytes(stage, 1000, 1) == 0 for stage in PLANNED)
     assert step_seconds("dp", 1e9, 2, bandwidth=1e9) == pytest.approx(2.0)  # 2 B/elem, ring 1/2
 
 

@@ -16,7 +16,7 @@ from fsdp_lesson.plan import (  # noqa: E402
     LLAMA_70B,
     LLAMA_405B,
     MODELS,
-    STAGES,
+    PLANNED,
     bubble_fraction,
     fitting_meshes,
     gpu_bytes,
@@ -41,7 +41,7 @@ def test_405b_shape_lands_near_llama_3_1():
 
 
 @pytest.mark.parametrize("model", [LLAMA_7B, LLAMA_70B, LLAMA_405B])
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", PLANNED)
 @pytest.mark.parametrize("recompute", [False, True])
 def test_one_tp_and_one_pp_is_gpu_bytes(model, stage, recompute):
     levers = {"recompute": recompute, "precision": "fp32", "micro_batch": 2}
@@ -49,7 +49,7 @@ def test_one_tp_and_one_pp_is_gpu_bytes(model, stage, recompute):
     assert mesh_gpu_bytes(model, stage, 64, micro_batches=8, schedule="gpipe", **levers) == expected
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", PLANNED)
 def test_tp_halves_the_state_embeddings_too(stage):
     one, two = (mesh_gpu_bytes(LLAMA_70B, stage, 8, tp) for tp in (1, 2))
     for part in ("params", "grads", "optimizer", "gathered"):

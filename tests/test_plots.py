@@ -19,7 +19,7 @@ from fsdp_lesson.flat import FlatParam  # noqa: E402
 from fsdp_lesson.memory import CATEGORIES  # noqa: E402
 from fsdp_lesson.plots import (  # noqa: E402
     COMPUTE,
-    STAGES,
+    PLANNED,
     batch_by_rank,
     bytes_per_parameter,
     cluster_picture,
@@ -204,9 +204,9 @@ def test_step_events_follow_the_strategies():
         ("allgather", "params fc2"), ("allgather", "params fc1"), ("reduce_scatter", "grad fc2"),
         ("allgather", "params emb"), ("reduce_scatter", "grad fc1"), ("reduce_scatter", "grad emb"),
     ]  # fmt: skip
-    for stage in STAGES:  # and every step logs its loss
+    for stage in PLANNED:  # and every step logs its loss
         assert collectives(stage, "log") == [("allreduce", "loss (8 B)")]
-    with pytest.raises(ValueError, match="unknown stage 'zero4'"):
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
         step_events("zero4")
 
 

@@ -55,7 +55,7 @@ from .memory import (
 from .mesh import MESH_COLORS, MESH_GPUS, MESH_PARTS, mesh_memory
 from .pipeline import IDLE_COLOR, OP_COLORS, bubble_curves, pipeline_lanes
 from .shards import PAD_COLOR, rank_shards, shard_layout
-from .timelines import COMPUTE, STAGES, TRACE_LANES, step_collectives, step_events, timeline
+from .timelines import COMPUTE, PLANNED, TRACE_LANES, step_collectives, step_events, timeline
 from .training import loss_curves, loss_scale, precision_curves, running_mean
 
 __all__ = [
@@ -77,7 +77,7 @@ __all__ = [
     "RANK_COLORS",
     "RING_LEGEND",
     "RING_OUTLINE",
-    "STAGES",
+    "PLANNED",
     "TRACE_LANES",
     "activation_vs_batch",
     "batch_by_rank",

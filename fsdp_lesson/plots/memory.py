@@ -43,7 +43,7 @@ def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None 
 
 
 def bytes_per_parameter(precisions: dict) -> Figure:
-    """One horizontal bar per precision (a plan.Precision): params + grads + optimizer state."""
+    """One horizontal bar per precision (a plan.BytesPerParam): params + grads + optimizer state."""
     fig, ax = plt.subplots(figsize=(8, 0.6 + 0.9 * len(precisions)))
     parts = (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer state"))
     for y, p in enumerate(precisions.values()):

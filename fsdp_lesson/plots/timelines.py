@@ -12,7 +12,7 @@ from matplotlib.patches import FancyBboxPatch
 from ..config import ModelConfig
 from ..dryrun import COMPUTE
 from ..dryrun import step_events as dry_step_events
-from ..plan import STAGES
+from ..plan import PLANNED
 from ._style import KIND_COLORS, KINDS, LANE_COLORS
 
 TRACE_LANES = {  # the trace's lanes, top to bottom within a rank's row, and their colours
@@ -81,19 +81,19 @@ def timeline(
     return ax.figure
 
 
-def step_events(stage: str, model_config: ModelConfig | None = None, **options) -> list[tuple]:
+def step_events(strategy: str, model_config: ModelConfig | None = None, **options) -> list[tuple]:
     """(phase, kind, label) of one training step of a strategy on 2 ranks, in order, for the
     layers that have parameters: kind is COMPUTE or a collective. Not a description: the
     strategy's own code, run dry (dryrun.step_events)."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}: use one of {', '.join(STAGES)}")
-    return dry_step_events(stage, model_config, **options)
+    if strategy not in PLANNED:
+        raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(PLANNED)}")
+    return dry_step_events(strategy, model_config, **options)
 
 
-def step_collectives(stage: str, model_config: ModelConfig | None = None, **options) -> Figure:
+def step_collectives(strategy: str, model_config: ModelConfig | None = None, **options) -> Figure:
     """One step as a time line: computation on the top lane, collectives below, by phase
     (`options`: the strategy's, e.g. zero3's prefetch=False)."""
-    events = step_events(stage, model_config, **options)
+    events = step_events(strategy, model_config, **options)
     fig, ax = plt.subplots(figsize=(max(8, 0.62 * len(events)), 2.5))
     phases = {}  # phase -> (first x, last x)
     for x, (phase, kind, label) in enumerate(events):
@@ -114,7 +114,7 @@ def step_collectives(stage: str, model_config: ModelConfig | None = None, **opti
     ax.set(xlim=(0, len(events)), ylim=(0, 2.5))
     ax.set_yticks([0.5, 1.5], ["collectives", "computation"])
     ax.set_xticks([])
-    ax.set_title(f"{stage}: one training step, in time order", fontsize=10)
+    ax.set_title(f"{strategy}: one training step, in time order", fontsize=10)
     for side in ("top", "right", "bottom"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
