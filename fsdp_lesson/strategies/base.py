@@ -56,7 +56,10 @@ def placements(strategy: Strategy, sharded: bool, tp: Placement) -> dict[str, Pl
 def state_regions(strategy: Strategy, name: str, array: np.ndarray, sharded: bool) -> list[Region]:
     """Where a layout entry's local array (its whole vector, or this rank's shard) lies in the
     entry's flat vector, parameter by parameter, with each one's placements (padding lies in
-    no region)."""
+    no region). Computed once per entry and kind of array: clipping asks every step."""
+    known = strategy.regions.get((name, array.size, sharded))
+    if known is not None:
+        return known
     layers = {layer.name: layer for layer in strategy.model.layers}
     start, regions = strategy.shard_comm.rank * array.size if sharded else 0, []
     for key, first, end, _ in strategy.layout[name].spans:
@@ -66,6 +69,7 @@ def state_regions(strategy: Strategy, name: str, array: np.ndarray, sharded: boo
         if lo < hi:
             along = placements(strategy, sharded, layers[layer].placement(param))
             regions.append(Region(lo - start, hi - start, along, f"{layer}.{param}"))
+    strategy.regions[(name, array.size, sharded)] = regions
     return regions
 
 
@@ -121,6 +125,7 @@ class Strategy:
         self.model, self.optimizer, self.comm, self.ledger = model, optimizer, self.mesh.dp, ledger
         self.shard_comm = self.comm  # the ranks a sharded array is split over (HSDP: a group)
         self.state_mesh = self.mesh  # the mesh the state is placed on (HSDP: dp cut in two)
+        self.regions: dict[tuple, list[Region]] = {}  # state_regions' answers
         n = self.comm.size
         self.layout = {layer.name: FlatParam(layer.shapes, n) for layer in model.layers}
         # mixed precision (precision.py): 16-bit params and grads, an fp32 master in the state
