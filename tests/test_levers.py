@@ -190,14 +190,15 @@ def test_clip_factor_is_torchs_and_each_shard_alone_would_be_wrong():
     comm, config = Comm.world(), ModelConfig()
     model = MLP(config)
     strategy = make_strategy("single", model, make_optimizer("sgd", 0.1), comm, MemoryLedger())
-    grads = {"a": np.full(4, 3.0, np.float32), "b": np.full(1, 4.0, np.float32)}  # sqrt(52)
+    grads = {name: np.zeros(flat.numel, np.float32) for name, flat in strategy.layout.items()}
+    grads["emb"][:4], grads["fc1"][-1] = 3.0, 4.0  # a norm of sqrt(4 * 9 + 16) = sqrt(52)
     strategy.clip_grad_norm = 1.0
-    strategy.clip_grads(grads, over=None)
+    strategy.clip_grads(grads, sharded=False)
     assert strategy.clip_factor == pytest.approx(1.0 / (np.sqrt(52.0) + 1e-6), rel=1e-12)
-    strategy.clip_grads({"a": grads["a"]}, over=None)  # one shard's norm alone: 6, not sqrt(52)
+    strategy.clip_grads({"emb": grads["emb"]}, sharded=False)  # one part alone: 6, not sqrt(52)
     assert strategy.clip_factor == pytest.approx(1.0 / (6.0 + 1e-6), rel=1e-12)
     strategy.clip_grad_norm = 100.0
-    strategy.clip_grads(grads, over=None)
+    strategy.clip_grads(grads, sharded=False)
     assert strategy.clip_factor == 1.0  # a gradient inside the bound is left alone
 
 
