@@ -222,16 +222,18 @@ def unavailable() -> str | None:
     return f"simulated hosts: {why}; {what_to_enable()}"
 
 
+USERNS_SWITCHES = [  # (file, the value that forbids unprivileged user namespaces, the fix)
+    ("/proc/sys/kernel/unprivileged_userns_clone", "0",
+     "sysctl -w kernel.unprivileged_userns_clone=1"),
+    ("/proc/sys/user/max_user_namespaces", "0", "sysctl -w user.max_user_namespaces=15000"),
+    ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1",
+     "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0"),
+]  # fmt: skip
+
+
 def what_to_enable() -> str:
     """The switch that keeps unprivileged user namespaces off on this kernel, and its fix."""
-    switches = [  # (file, the value that forbids, the fix)
-        ("/proc/sys/kernel/unprivileged_userns_clone", "0",
-         "sysctl -w kernel.unprivileged_userns_clone=1"),
-        ("/proc/sys/user/max_user_namespaces", "0", "sysctl -w user.max_user_namespaces=15000"),
-        ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1",
-         "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0"),
-    ]  # fmt: skip
-    for path, forbids, fix in switches:
+    for path, forbids, fix in USERNS_SWITCHES:
         try:
             if Path(path).read_text().strip() == forbids:
                 return f"enable unprivileged user namespaces: {fix} (as root, once)"
@@ -274,12 +276,19 @@ def start_time(pid: int) -> int | None:
 
 
 def keeper_alive(record: Record) -> bool:
-    """Whether the record's keeper still runs: that pid, started at that time, of this user."""
+    """Whether the record's keeper still runs: that pid, started at that time, of this user,
+    sleeping in a user namespace other than ours (so never a process of the user's own
+    namespace, whose fellows `down` would otherwise end)."""
     keeper = record.keeper
     if keeper is None or start_time(keeper["pid"]) != keeper["start"]:
         return False
+    proc = Path(f"/proc/{keeper['pid']}")
     try:
-        return os.stat(f"/proc/{keeper['pid']}").st_uid == os.geteuid()
+        return (
+            proc.stat().st_uid == os.geteuid()
+            and (proc / "cmdline").read_bytes() == b"sleep\0infinity\0"
+            and os.readlink(proc / "ns" / "user") != os.readlink("/proc/self/ns/user")
+        )
     except OSError:
         return False
 
@@ -734,8 +743,8 @@ def up_record(directory: Path = DEFAULT_DIR) -> Record:
 def set_bandwidth(bandwidth: str, directory: Path = DEFAULT_DIR) -> None:
     """Re-shape both ends of every cable of the hosts that are up (tc qdisc replace): the same
     job at 10gbit, 1gbit and 100mbit, without rebuilding the hosts or restarting engines."""
-    record = up_record(directory)
     check_bandwidth(bandwidth)
+    record = up_record(directory)
     shape, sw = tbf(bandwidth), record.layout.switch
     ends = [(host, "eth0") for host in record.layout.names]
     ends += [(sw, f"fsdpl-p{i}") for i in range(record.layout.hosts)]
@@ -898,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hosts down: removed {', '.join(removed)}" if removed else "hosts down: none up")
             return 0
         layout = Layout(args.hosts, args.slots, args.bandwidth)
-        with sigterm_interrupts():
+        with interrupts_raise():
             up(layout, directory)
     except HostsError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -912,17 +921,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class sigterm_interrupts:
-    """SIGTERM raises Interrupted, as SIGINT raises KeyboardInterrupt: up cleans up for both."""
+class interrupts_raise:
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM Interrupted, whatever handlers were set
+    (python -m fsdp_lesson sets the ranks' for every command): `up` cleans up after both."""
 
     def __enter__(self):
         def interrupt(signum, frame):
             raise Interrupted()
 
-        self.saved = signal.signal(signal.SIGTERM, interrupt)
+        self.wakeup = signal.set_wakeup_fd(-1)
+        self.saved = [
+            signal.signal(signal.SIGINT, signal.default_int_handler),
+            signal.signal(signal.SIGTERM, interrupt),
+        ]
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self.saved)
+        signal.signal(signal.SIGINT, self.saved[0])
+        signal.signal(signal.SIGTERM, self.saved[1])
+        signal.set_wakeup_fd(self.wakeup)
 
 
 def summary(layout: Layout, directory: Path) -> str:
