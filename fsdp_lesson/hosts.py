@@ -277,8 +277,9 @@ def start_time(pid: int) -> int | None:
 
 def keeper_alive(record: Record) -> bool:
     """Whether the record's keeper still runs: that pid, started at that time, of this user,
-    sleeping in a user namespace other than ours (so never a process of the user's own
-    namespace, whose fellows `down` would otherwise end)."""
+    sleeping as root of a user namespace that maps one user, as `unshare --map-root-user`
+    makes (so never a process of the machine's own user namespace, whose fellows `down` would
+    otherwise end)."""
     keeper = record.keeper
     if keeper is None or start_time(keeper["pid"]) != keeper["start"]:
         return False
@@ -287,19 +288,28 @@ def keeper_alive(record: Record) -> bool:
         return (
             proc.stat().st_uid == os.geteuid()
             and (proc / "cmdline").read_bytes() == b"sleep\0infinity\0"
-            and os.readlink(proc / "ns" / "user") != os.readlink("/proc/self/ns/user")
+            and (proc / "uid_map").read_text().split()[::2] == ["0", "1"]
         )
     except OSError:
         return False
+
+
+# Enter the keeper ($1: its pid) in directory $2 and run the rest; a process already inside
+# its user namespace (ipcluster started by build/hosts/ipcluster, starting its controller)
+# runs it as it is: a process cannot enter the user namespace it is in.
+ENTER = """k=$1 wd=$2; shift 2
+if [ "$(readlink /proc/self/ns/user)" = "$(readlink /proc/$k/ns/user)" ]; then
+    cd "$wd" && exec "$@"
+fi
+exec nsenter --preserve-credentials -t "$k" -U -m -n --wd="$wd" -- "$@"
+"""
 
 
 def inside(record: Record, cwd: str = "/") -> list[str]:
     """The prefix of a command run inside the hosts' keeper: its user, mount and network
     namespaces, as the user at hand (root there, over the keeper's namespaces only), in cwd
     (entering a mount namespace starts at its root)."""
-    pid = str(record.keeper["pid"])
-    enter = ["nsenter", "--preserve-credentials", "-t", pid, "-U", "-m", "-n", f"--wd={cwd}"]
-    return [*enter, "--"]
+    return ["sh", "-c", ENTER, "fsdpl-enter", str(record.keeper["pid"]), cwd]
 
 
 def start_keeper(record: Record, directory: Path) -> subprocess.Popen:
@@ -673,12 +683,12 @@ def ipcluster_script(record: Record, layout: Layout, profile: Path) -> str:
     """build/hosts/ipcluster: ipcluster with the hosts' profile (start -n 4, stop), run in the
     switch's namespace so that `down` ends it with its controller."""
     ipcluster = str(Path(sys.executable).parent / "ipcluster")
-    enter = shlex.join(inside(record)[:-2])  # all but --wd=/ and --: the caller's directory
+    enter = shlex.join(inside(record)[:-1])  # the caller's directory instead of /
     ipcluster = shlex.join(["ip", "netns", "exec", layout.switch, ipcluster])
     return f"""#!/bin/sh
 # Written by `python -m fsdp_lesson hosts up`: `ipcluster start -n 4` (or stop) with the hosts'
 # profile: the controller in the switch's namespace, the engines on the hosts.
-exec {enter} --wd="$PWD" -- {ipcluster} "$@" --profile-dir={shlex.quote(str(profile))}
+exec {enter} "$PWD" {ipcluster} "$@" --profile-dir={shlex.quote(str(profile))}
 """
 
 
