@@ -87,7 +87,8 @@ from .launch import rank_settings
 from .watchdog import process_state
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = ROOT / "build" / "hosts"
+HOSTS_DIR_ENV = "FSDP_LESSON_HOSTS_DIR"  # where the hosts are, if not in this checkout's build/
+DEFAULT_DIR = Path(os.environ.get(HOSTS_DIR_ENV) or ROOT / "build" / "hosts")
 PREFIX = "fsdpl-"  # the names of the hosts' namespaces (private to their keeper)
 SUBNET = "198.18.0"  # a /24 of the benchmarking range 198.18.0.0/15
 SWITCH_ADDRESS = f"{SUBNET}.1"
@@ -97,7 +98,6 @@ MAX_HOSTS = 200
 # What `up` writes into the hosts' directory, and so all that `down` may remove there
 FILES = ("etc-hosts", "resolv.conf", "hostfile", "launch", "mpiexec", "ipcluster")
 PROFILE = "profile_hosts"  # the ipyparallel profile `up` writes into the hosts' directory
-HOSTS_DIR_ENV = "FSDP_LESSON_HOSTS_DIR"  # where connect(profile="hosts") looks, if not DEFAULT_DIR
 
 # The ranks' transport across the hosts (see the module's docstring). A value the user set wins,
 # as with fsdp_lesson/launch.py's settings, so `UCX_TLS=tcp,self,sm build/hosts/mpiexec ...`
@@ -904,7 +904,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = commands.add_parser("shape", help="re-shape every cable of the hosts that are up")
     shape.add_argument("--bandwidth", required=True, help="as tc spells it: 10gbit, 100mbit")
     for sub in (start, commands.add_parser("down", help="remove what `up` recorded"), shape):
-        sub.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="default: build/hosts")
+        sub.add_argument(
+            "--dir", type=Path, default=DEFAULT_DIR, help=f"default: ${HOSTS_DIR_ENV}, build/hosts"
+        )
     args = parser.parse_args(argv)
     directory = args.dir.resolve()
     try:
@@ -952,7 +954,7 @@ class interrupts_raise:
 
 
 def summary(layout: Layout, directory: Path) -> str:
-    where = "" if directory == DEFAULT_DIR.resolve() else f" --dir {directory}"
+    where = "" if directory == (ROOT / "build" / "hosts").resolve() else f" --dir {directory}"
     lines = [
         f"hosts up: {layout.hosts} hosts x {layout.slots} slots, each link {layout.bandwidth} "
         "both ways (tbf), private to this user and directory"
