@@ -77,6 +77,7 @@ import select
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -143,7 +144,7 @@ class Layout:
         return [self.switch, *self.names]
 
 
-RATE = re.compile(r"(\d{1,12}(?:\.\d{1,6})?)(bit|kbit|mbit|gbit|tbit)")
+RATE = re.compile(r"(\d{1,40}(?:\.\d{1,40})?)(bit|kbit|mbit|gbit|tbit)")
 MIN_RATE, MAX_RATE = 1e3, 100e9  # 1kbit .. 100gbit: tc's tbf takes these with our burst
 
 
@@ -319,8 +320,10 @@ def start_keeper(record: Record, directory: Path) -> subprocess.Popen:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # a Ctrl-C in the terminal is up's to handle, not the keeper's
     )  # fmt: skip
-    record.keeper = {"pid": keeper.pid, "start": start_time(keeper.pid)}
-    record.save()
+    started = start_time(keeper.pid)  # None: it ended already (and so did its namespaces)
+    if started is not None:
+        record.keeper = {"pid": keeper.pid, "start": started}
+        record.save()
     answered, _, _ = select.select([keeper.stdout], [], [], TIMEOUT)
     if not answered or keeper.stdout.readline().strip() != "ready":
         keeper.kill()
@@ -378,39 +381,35 @@ class Record:
 
 
 def trusted(directory: Path) -> None:
-    """The record and its directory are the user's own, regular, and writable by no one else:
+    """The record and its directory are the user's own, plain, and writable by no one else:
     else HostsError saying whose they are. (Root acting on a record another user could write
     would let that user choose what root removes and kills.)"""
-    me = os.geteuid()
-    for path, kind in ((directory, "directory"), (directory / "state.json", "file")):
-        try:
-            st = os.lstat(path)
-        except PermissionError:
-            raise HostsError(
-                f"{path} is not readable by you: its owner takes these hosts "
-                f"down (python -m fsdp_lesson hosts down --dir {directory})"
-            ) from None
-        regular = stat_is_dir(st.st_mode) if kind == "directory" else stat_is_file(st.st_mode)
-        if not regular:
-            raise HostsError(f"{path} is not a plain {kind} (a link?): nothing was touched")
-        if st.st_uid != me:
-            raise HostsError(
-                f"{path} belongs to {owner_name(st.st_uid)}, not you: nothing was touched; its "
-                f"owner takes these hosts down (python -m fsdp_lesson hosts down --dir {directory})"
-            )
-        if st.st_mode & 0o022:
-            raise HostsError(
-                f"{path} is writable by others: nothing was touched; if it is yours and as "
-                f"`hosts up` left it: chmod go-w {path}"
-            )
+    owned(directory, stat.S_ISDIR, "directory")
+    owned(directory / "state.json", stat.S_ISREG, "file")
 
 
-def stat_is_dir(mode: int) -> bool:
-    return (mode & 0o170000) == 0o040000
-
-
-def stat_is_file(mode: int) -> bool:
-    return (mode & 0o170000) == 0o100000
+def owned(path: Path, plain, kind: str) -> None:
+    """path is a plain kind (plain(mode) holds, no link), the user's own, others cannot write."""
+    hosts_dir = path if kind == "directory" else path.parent
+    down_hint = f"python -m fsdp_lesson hosts down --dir {hosts_dir}"
+    try:
+        st = os.lstat(path)
+    except PermissionError:
+        raise HostsError(
+            f"{path} is not readable by you: its owner takes these hosts down ({down_hint})"
+        ) from None
+    if not plain(st.st_mode):
+        raise HostsError(f"{path} is not a plain {kind} (a link?): nothing was touched")
+    if st.st_uid != os.geteuid():
+        raise HostsError(
+            f"{path} belongs to {owner_name(st.st_uid)}, not you: nothing was touched; its "
+            f"owner takes these hosts down ({down_hint})"
+        )
+    if st.st_mode & 0o022:
+        raise HostsError(
+            f"{path} is writable by others: nothing was touched; if it is yours and as `hosts "
+            f"up` left it: chmod go-w {path}"
+        )
 
 
 def owner_name(uid: int) -> str:
@@ -472,7 +471,10 @@ def up(layout: Layout, directory: Path = DEFAULT_DIR) -> Record:
     if Record.load(directory) is not None:  # checked first: a record not ours stops us here
         down(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    trusted_directory(directory)
+    try:
+        owned(directory, stat.S_ISDIR, "directory")
+    except HostsError as err:
+        raise HostsError(f"{err}; or choose a directory of your own with --dir") from None
     record = Record(directory, layout)
     record.save()
     keeper = None
@@ -493,16 +495,6 @@ def up(layout: Layout, directory: Path = DEFAULT_DIR) -> Record:
     record.complete = True
     record.save()
     return record
-
-
-def trusted_directory(directory: Path) -> None:
-    """The hosts' directory is the user's own and writable by no one else (see trusted)."""
-    st = os.lstat(directory)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not stat_is_dir(st.st_mode):
-        raise HostsError(
-            f"{directory} must be a directory of yours that others cannot write: choose another "
-            "with --dir"
-        )
 
 
 class signals_held:
