@@ -3,7 +3,8 @@
 # make lab   JupyterLab with a 4-engine MPI cluster
 # make student  student copies of the notebooks, solutions replaced by stubs, in build/student/
 # make grade SUBMISSIONS=dir  run a class's notebooks, grade their exercises: build/grades.csv, .md
-# make hosts  (root) simulated hosts, HOSTS=2 x SLOTS=2 on a BANDWIDTH=1gbit link; then
+# make hosts  simulated hosts (no root: a user namespace, private to this checkout), HOSTS=2 x
+#             SLOTS=2 on a BANDWIDTH=1gbit link; then
 #             build/hosts/mpiexec -n 4 python -m fsdp_lesson train ...  (make hosts-down)
 # Each creates .venv and installs the project into it when missing (needs only python3 and make).
 

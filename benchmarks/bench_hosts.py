@@ -1,7 +1,7 @@
 """The cost model meets a real link: commbench, plan.step_seconds and zero3's prefetch across
 simulated hosts (fsdp_lesson/hosts.py), each cable a tbf at a known rate.
 
-    sudo .venv/bin/python benchmarks/bench_hosts.py --out /tmp/h2_results.json
+    .venv/bin/python benchmarks/bench_hosts.py --out /tmp/h2_results.json
 
 1. commbench's alpha-beta fit across 2 hosts x 1 slot at two rates: 1/beta against the TCP
    payload the shaped rate carries (commbench.tcp_payload_rate), R^2 of the fit.

@@ -114,8 +114,8 @@ def build_parser() -> Parser:
     )
     commands.add_parser(
         "hosts",
-        help="simulated hosts joined by a link of known bandwidth: hosts up | shape | down (root;"
-        " see hosts --help)",
+        help="simulated hosts joined by a link of known bandwidth: hosts up | shape | down (no"
+        " root; see hosts --help)",
         add_help=False,
     )
     commands.add_parser(

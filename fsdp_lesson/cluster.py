@@ -52,7 +52,7 @@ _GRACE_SECONDS = 3.0
 # How often run() wakes up to refresh the progress line.
 _POLL_SECONDS = 0.25
 # Where connect(profile="hosts") looks for simulated hosts (hosts.py): a directory of `hosts up`.
-HOSTS_DIR_ENV = "FSDP_LESSON_HOSTS_DIR"
+HOSTS_DIR_ENV = hosts.HOSTS_DIR_ENV
 
 
 class ClusterError(RuntimeError):
@@ -110,7 +110,7 @@ def _profile_location(profile: str, n: int) -> dict[str, str]:
         where = f" --dir {os.environ[HOSTS_DIR_ENV]}" if os.environ.get(HOSTS_DIR_ENV) else ""
         raise ClusterError(
             f"No simulated hosts are up for profile 'hosts': type `python -m fsdp_lesson hosts "
-            f"up --hosts 2 --slots {(n + 1) // 2}{where}` (as root), then connect again"
+            f"up --hosts 2 --slots {(n + 1) // 2}{where}`, then connect again"
         )
     return {"profile": profile}
 

@@ -23,7 +23,17 @@ A cable is a veth pair and a token-bucket filter (`tc qdisc ... tbf`) on each of
 both directions run at the bandwidth. Everything lives in namespaces this module creates (named
 `fsdpl-...`), with addresses from 198.18.0.0/15, the range set aside for benchmarking
 (RFC 2544): nothing is added to the machine's own network, and nothing outside it is ever
-addressed. It needs root (creating namespaces) and iproute2 (`ip`, `tc`).
+addressed. It needs iproute2 (`ip`, `tc`) and util-linux (`unshare`, `nsenter`), and no root.
+
+**Private to one checkout, root or not.** The namespaces live inside a user namespace of their
+own, held open by one process, the keeper (`unshare --user --map-root-user --net --mount`):
+inside it the user is root over what it made and nothing else, its /run is a private tmpfs
+(so `ip netns` names its namespaces there, seen by no one outside), and its /etc/hosts and
+/etc/resolv.conf are bind-mounted from the hosts' directory. Two checkouts, two users, or root
+and a user each have hosts of their own with the same names and addresses, and cannot see or
+touch each other's. Every command on the hosts enters the keeper first (`nsenter -t KEEPER -U
+-m -n`). While `up` builds, the keeper waits on a pipe from `up`: if `up` dies, however, the
+keeper ends, and with it every namespace (the kernel frees them), so nothing is left behind.
 
 **How ranks get onto the hosts.** `build/hosts/mpiexec` is hydra's mpiexec with a hostfile, as on
 a cluster; what ssh does there (start hydra's proxy on a host, which then starts that host's
@@ -45,12 +55,16 @@ that `connect(n=4, profile="hosts")` uses while the hosts are up, and `build/hos
 start -n 4` starts from a terminal: the controller runs in the switch's namespace and listens for
 engines on 198.18.0.1, and hydra's mpiexec places the engines on the hosts, as on a cluster. The
 notebook's client, in the machine's own namespace where 198.18.0.1 is out of reach, talks to the
-controller through Unix sockets in the profile (ipc): nothing is added to the machine's network.
+controller through Unix sockets in the profile (ipc), which the file system, not the network,
+joins: nothing is added to the machine's network.
 `hosts shape --bandwidth 100mbit` re-shapes every cable of running hosts, engines and all.
 
-**What it records.** `hosts up` writes every step to build/hosts/state.json *before* taking it, so
-a crash at any point leaves a record of everything that may exist; `hosts down` undoes exactly
-the recorded steps, tolerates the ones that never happened, and touches nothing else.
+**What it records, and what `down` trusts.** build/hosts/state.json names the layout, the
+keeper (its process id and start time) and the files `up` wrote, each written before it is
+made. `down` acts on it only when the record and its directory belong to the user running it
+and no one else can write them, and only on what `up` itself makes: the files of a fixed list
+in that directory, and the processes inside the keeper's user namespace. A record that fails a
+check is refused in one line, and nothing is touched.
 """
 
 from __future__ import annotations
@@ -59,9 +73,11 @@ import argparse
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -72,12 +88,16 @@ from .launch import rank_settings
 from .watchdog import process_state
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = ROOT / "build" / "hosts"
-PREFIX = "fsdpl-"  # every namespace this module makes is named so; down removes only those
+HOSTS_DIR_ENV = "FSDP_LESSON_HOSTS_DIR"  # where the hosts are, if not in this checkout's build/
+DEFAULT_DIR = Path(os.environ.get(HOSTS_DIR_ENV) or ROOT / "build" / "hosts")
+PREFIX = "fsdpl-"  # the names of the hosts' namespaces (private to their keeper)
 SUBNET = "198.18.0"  # a /24 of the benchmarking range 198.18.0.0/15
 SWITCH_ADDRESS = f"{SUBNET}.1"
 BRIDGE = "fsdpl-br"  # interface names live inside our own namespaces, never the machine's
 TIMEOUT = 30  # seconds for any one ip/tc command, and for processes to end at `down`
+MAX_HOSTS = 200
+# What `up` writes into the hosts' directory, and so all that `down` may remove there
+FILES = ("etc-hosts", "resolv.conf", "hostfile", "launch", "mpiexec", "ipcluster")
 PROFILE = "profile_hosts"  # the ipyparallel profile `up` writes into the hosts' directory
 
 # The ranks' transport across the hosts (see the module's docstring). A value the user set wins,
@@ -94,6 +114,10 @@ LOOPBACK = re.compile(r"(^|[,:= ])(lo|localhost|127\.0\.0\.1|::1)($|[,: ])")
 
 class HostsError(Exception):
     """Something the user can fix: one line on stderr, exit code 2."""
+
+
+class Interrupted(Exception):
+    """SIGTERM during `up` (SIGINT is KeyboardInterrupt): what was made is removed, then this."""
 
 
 @dataclass
@@ -120,15 +144,24 @@ class Layout:
         return [self.switch, *self.names]
 
 
+RATE = re.compile(r"(\d{1,40}(?:\.\d{1,40})?)(bit|kbit|mbit|gbit|tbit)")
+MIN_RATE, MAX_RATE = 1e3, 100e9  # 1kbit .. 100gbit: tc's tbf takes these with our burst
+
+
 def bits_per_second(bandwidth: str) -> float:
-    """tc's rate spelling (100mbit, 1gbit, 2.5gbit) as bits per second; k, m, g are 1000s."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)", bandwidth.strip().lower())
-    if match is None or float(match[1]) <= 0:
+    """tc's rate spelling (100mbit, 1gbit, 2.5gbit) as bits per second; k, m, g are 1000s.
+    Only rates between 1kbit and 100gbit: tc refuses below 8 bit/s and above 2^64 bytes/s."""
+    match = RATE.fullmatch(bandwidth.strip().lower())
+    shown = bandwidth if len(bandwidth) <= 40 else bandwidth[:37] + "..."
+    if match is None:
         raise HostsError(
-            f"--bandwidth {bandwidth!r}: give a rate as tc spells it, e.g. 100mbit, 1gbit, 10gbit"
+            f"--bandwidth {shown!r}: give a rate as tc spells it, e.g. 100mbit, 1gbit, 10gbit"
         )
     scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}[match[2]]
-    return float(match[1]) * scale
+    rate = float(match[1]) * scale
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise HostsError(f"--bandwidth {shown}: give a rate from 1kbit to 100gbit")
+    return rate
 
 
 def tbf(bandwidth: str) -> list[str]:
@@ -149,95 +182,275 @@ def tbf(bandwidth: str) -> list[str]:
     return ["tbf", "rate", f"{rate:.0f}bit", "burst", str(burst), "latency", "25ms"]
 
 
-def unavailable() -> str | None:
-    """Why simulated hosts cannot be built here, in one line; None if they can.
+def check_bandwidth(bandwidth: str) -> None:
+    """Ask tc itself, on the loopback of a throwaway namespace, whether it takes the cables'
+    bucket at this rate: before `up` builds or `shape` changes anything."""
+    shape = shlex.join(["tc", "qdisc", "add", "dev", "lo", "root", *tbf(bandwidth)])
+    out = run(["unshare", "--user", "--map-root-user", "--net", "sh", "-c", shape], check=False)
+    if out.returncode != 0:
+        why = (out.stderr.strip().splitlines() or ["no reason given"])[0]
+        raise HostsError(f"--bandwidth {bandwidth}: tc refuses it ({why[:120]})")
 
-    Probes for real in a throwaway namespace (a veth, a bridge, a tbf), which vanishes with the
-    probe's process: nothing is left behind.
-    """
+
+def unavailable() -> str | None:
+    """Why simulated hosts cannot be built here, in one line that says what to enable; None if
+    they can. Probes for real, as the user at hand, in a throwaway user and network namespace
+    (a private /run, a named namespace, a veth, a bridge, a tbf): nothing is left behind."""
     if not sys.platform.startswith("linux"):
         return "simulated hosts need Linux network namespaces"
-    missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
     if missing:
         return (
             f"simulated hosts need {' and '.join(missing)} (Debian: apt-get install iproute2 "
             "util-linux)"
         )
-    if os.geteuid() != 0:
-        return "simulated hosts need root (network namespaces, tc): run this as root"
     probe = (
-        "ip link add fsdpl-a type veth peer name fsdpl-b && ip link add fsdpl-br type bridge"
-        " && tc qdisc add dev fsdpl-a root tbf rate 1mbit burst 16384 latency 25ms"
+        "mount -t tmpfs fsdpl-run /run && ip netns add fsdpl-probe"
+        " && ip -n fsdpl-probe link add fsdpl-a type veth peer name fsdpl-b"
+        " && ip -n fsdpl-probe link add fsdpl-br type bridge"
+        " && tc -n fsdpl-probe qdisc add dev fsdpl-a root tbf rate 1mbit burst 16384 latency 25ms"
     )
     try:
         out = subprocess.run(
-            ["unshare", "--net", "sh", "-c", probe], capture_output=True, text=True, timeout=30
-        )
+            ["unshare", *KEEPER_NAMESPACES, "sh", "-c", probe],
+            capture_output=True, text=True, timeout=TIMEOUT,
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
-        return "simulated hosts: probing for network namespaces timed out"
-    if out.returncode != 0:
-        why = (out.stderr.strip().splitlines() or ["no reason given"])[-1]
-        return f"simulated hosts: this machine refuses network namespaces, veth or tbf ({why})"
-    return None
+        return "simulated hosts: probing for user and network namespaces timed out"
+    if out.returncode == 0:
+        return None
+    why = (out.stderr.strip().splitlines() or ["no reason given"])[-1][:120]
+    return f"simulated hosts: {why}; {what_to_enable()}"
+
+
+USERNS_SWITCHES = [  # (file, the value that forbids unprivileged user namespaces, the fix)
+    ("/proc/sys/kernel/unprivileged_userns_clone", "0",
+     "sysctl -w kernel.unprivileged_userns_clone=1"),
+    ("/proc/sys/user/max_user_namespaces", "0", "sysctl -w user.max_user_namespaces=15000"),
+    ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1",
+     "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0"),
+]  # fmt: skip
+
+
+def what_to_enable() -> str:
+    """The switch that keeps unprivileged user namespaces off on this kernel, and its fix."""
+    for path, forbids, fix in USERNS_SWITCHES:
+        try:
+            if Path(path).read_text().strip() == forbids:
+                return f"enable unprivileged user namespaces: {fix} (as root, once)"
+        except OSError:
+            continue
+    return (
+        "the kernel must allow user namespaces (CONFIG_USER_NS) and, in a container, the runtime "
+        "must let it create them (e.g. docker run --security-opt seccomp=unconfined)"
+    )
+
+
+# --- the keeper -------------------------------------------------------------------------------
+
+KEEPER_NAMESPACES = ["--user", "--map-root-user", "--net", "--mount", "--propagation", "private"]
+
+# Run by the keeper (sh -c, $0 the hosts' directory): a private /run for `ip netns`, the hosts'
+# names over /etc/hosts, no nameserver but 127.0.0.1 (where none listens) in /etc/resolv.conf,
+# an empty /etc/netns (none of the machine's entries shows through); then "ready", and it waits
+# for `up` to say "keep". If `up` dies first, the pipe's end is read, and the keeper exits.
+KEEPER = """set -e
+mount -t tmpfs -o mode=755 fsdpl-run /run
+[ ! -d /etc/netns ] || mount -t tmpfs -o mode=755 fsdpl-etc /etc/netns
+mount --bind "$0/etc-hosts" /etc/hosts
+[ ! -f /etc/resolv.conf ] || mount --bind "$0/resolv.conf" /etc/resolv.conf
+echo ready
+read -r word
+[ "$word" = keep ]
+exec sleep infinity </dev/null >/dev/null 2>&1
+"""
+
+
+def start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks after boot, /proc/PID/stat field 22): with its pid,
+    what names it uniquely; None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def keeper_alive(record: Record) -> bool:
+    """Whether the record's keeper still runs: that pid, started at that time, of this user,
+    sleeping as root of a user namespace that maps one user, as `unshare --map-root-user`
+    makes (so never a process of the machine's own user namespace, whose fellows `down` would
+    otherwise end)."""
+    keeper = record.keeper
+    if keeper is None or start_time(keeper["pid"]) != keeper["start"]:
+        return False
+    proc = Path(f"/proc/{keeper['pid']}")
+    try:
+        return (
+            proc.stat().st_uid == os.geteuid()
+            and (proc / "cmdline").read_bytes() == b"sleep\0infinity\0"
+            and (proc / "uid_map").read_text().split()[::2] == ["0", "1"]
+        )
+    except OSError:
+        return False
+
+
+# Enter the keeper ($1: its pid) in directory $2 and run the rest; a process already inside
+# its user namespace (ipcluster started by build/hosts/ipcluster, starting its controller)
+# runs it as it is: a process cannot enter the user namespace it is in.
+ENTER = """k=$1 wd=$2; shift 2
+if [ "$(readlink /proc/self/ns/user)" = "$(readlink /proc/$k/ns/user)" ]; then
+    cd "$wd" && exec "$@"
+fi
+exec nsenter --preserve-credentials -t "$k" -U -m -n --wd="$wd" -- "$@"
+"""
+
+
+def inside(record: Record, cwd: str = "/") -> list[str]:
+    """The prefix of a command run inside the hosts' keeper: its user, mount and network
+    namespaces, as the user at hand (root there, over the keeper's namespaces only), in cwd
+    (entering a mount namespace starts at its root)."""
+    return ["sh", "-c", ENTER, "fsdpl-enter", str(record.keeper["pid"]), cwd]
+
+
+def start_keeper(record: Record, directory: Path) -> subprocess.Popen:
+    """Start the keeper, record it, and wait for it to be ready."""
+    keeper = subprocess.Popen(
+        ["unshare", *KEEPER_NAMESPACES, "sh", "-c", KEEPER, str(directory)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a Ctrl-C in the terminal is up's to handle, not the keeper's
+    )  # fmt: skip
+    started = start_time(keeper.pid)  # None: it ended already (and so did its namespaces)
+    if started is not None:
+        record.keeper = {"pid": keeper.pid, "start": started}
+        record.save()
+    answered, _, _ = select.select([keeper.stdout], [], [], TIMEOUT)
+    if not answered or keeper.stdout.readline().strip() != "ready":
+        keeper.kill()
+        keeper.wait(timeout=TIMEOUT)
+        why = (keeper.stderr.read().strip().splitlines() or ["no reason given"])[-1][:120]
+        raise HostsError(f"the hosts' keeper did not start ({why}); {what_to_enable()}")
+    return keeper
 
 
 # --- the record -------------------------------------------------------------------------------
 
 
 class Record:
-    """build/hosts/state.json: the layout and every step of `up`, each written before it is
-    taken. A step is {"what": ..., "name"/"path": ..., "command": [...]} and `down` knows how
-    to undo each kind: a namespace (with everything inside it), a directory of files under
-    /etc/netns, a file of ours, the ipyparallel profile (a directory beside the record)."""
+    """DIR/state.json: the layout, the keeper and the files `up` wrote, each recorded before
+    it is made. Loaded only if it passes trusted() and its contents are what `up` writes."""
 
     def __init__(self, directory: Path, layout: Layout | None = None):
+        self.directory = directory
         self.path = directory / "state.json"
         self.layout = layout
-        self.steps: list[dict] = []
+        self.keeper: dict | None = None
+        self.files: list[str] = []
         self.complete = False
 
     @classmethod
     def load(cls, directory: Path) -> Record | None:
+        """The record in directory, None if there is none; HostsError if it cannot be trusted."""
         path = directory / "state.json"
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
+        trusted(directory)
         try:
             data = json.loads(path.read_text())
             record = cls(directory, Layout(**data["layout"]))
-            record.steps, record.complete = data["steps"], data["complete"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise HostsError(f"{path} is damaged ({err}): nothing was removed") from None
+            record.keeper, record.files = data["keeper"], data["files"]
+            record.complete = data["complete"]
+            check_recorded(record)
+        except (ValueError, KeyError, TypeError, HostsError) as err:
+            why = str(err)[:160]
+            raise HostsError(
+                f"{path} is not a record `hosts up` wrote ({why}): nothing was touched; "
+                f"look at it, remove it, then: python -m fsdp_lesson hosts up --dir {directory}"
+            ) from None
         return record
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"layout": asdict(self.layout), "steps": self.steps, "complete": self.complete}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
+        """Write the record whole (a new file, then rename), readable by all, writable by us."""
+        data = {"layout": asdict(self.layout), "keeper": self.keeper, "files": self.files,
+                "complete": self.complete}  # fmt: skip
+        tmp = self.path.with_name(f"state.json.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as file:
+            file.write(json.dumps(data, indent=1))
         os.replace(tmp, self.path)  # atomic: the record is always whole
 
-    def step(self, what: str, **details) -> None:
-        """Record the step, then (the caller) take it."""
-        self.steps.append({"what": what, **details})
-        self.save()
+
+def trusted(directory: Path) -> None:
+    """The record and its directory are the user's own, plain, and writable by no one else:
+    else HostsError saying whose they are. (Root acting on a record another user could write
+    would let that user choose what root removes and kills.)"""
+    owned(directory, stat.S_ISDIR, "directory")
+    owned(directory / "state.json", stat.S_ISREG, "file")
 
 
-def run(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    """One ip/tc command with a timeout; a failure raises HostsError with its stderr's last line."""
+def owned(path: Path, plain, kind: str) -> None:
+    """path is a plain kind (plain(mode) holds, no link), the user's own, others cannot write."""
+    hosts_dir = path if kind == "directory" else path.parent
+    down_hint = f"python -m fsdp_lesson hosts down --dir {hosts_dir}"
     try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+        st = os.lstat(path)
+    except PermissionError:
+        raise HostsError(
+            f"{path} is not readable by you: its owner takes these hosts down ({down_hint})"
+        ) from None
+    if not plain(st.st_mode):
+        raise HostsError(f"{path} is not a plain {kind} (a link?): nothing was touched")
+    if st.st_uid != os.geteuid():
+        raise HostsError(
+            f"{path} belongs to {owner_name(st.st_uid)}, not you: nothing was touched; its "
+            f"owner takes these hosts down ({down_hint})"
+        )
+    if st.st_mode & 0o022:
+        raise HostsError(
+            f"{path} is writable by others: nothing was touched; if it is yours and as `hosts "
+            f"up` left it: chmod go-w {path}"
+        )
+
+
+def owner_name(uid: int) -> str:
+    """A user's name (uid N when the machine does not know it)."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_recorded(record: Record) -> None:
+    """The record names only what `up` makes: a valid layout of our prefix, files of FILES
+    (and the profile) in its own directory, a keeper given by an integer pid and start time."""
+    layout = record.layout
+    check_layout(layout)
+    extra = set(record.files) - {*FILES, PROFILE}
+    if extra:
+        raise HostsError(f"files up never writes: {sorted(extra)}")
+    keeper = record.keeper
+    if keeper is not None and not (
+        set(keeper) == {"pid", "start"} and all(type(v) is int and v > 0 for v in keeper.values())
+    ):
+        raise HostsError("a keeper that is not a process id and a start time")
+    if type(record.complete) is not bool:
+        raise HostsError("'complete' is not true or false")
+
+
+def run(
+    command: list[str], check: bool = True, timeout: float = TIMEOUT
+) -> subprocess.CompletedProcess:
+    """One command with a timeout; a failure raises HostsError with its stderr's last line."""
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise HostsError(f"`{shlex.join(command)}` did not finish in {TIMEOUT} s") from None
+        raise HostsError(f"`{shlex.join(command)[:200]}` did not finish in {timeout:g} s") from None
     if check and out.returncode != 0:
         why = (out.stderr.strip().splitlines() or ["no message"])[-1]
-        raise HostsError(f"`{shlex.join(command)}` failed: {why}")
+        raise HostsError(f"`{shlex.join(command)[:200]}` failed: {why[:200]}")
     return out
-
-
-def act(record: Record, what: str, command: list[str], **details) -> None:
-    """Record a step, then run its command."""
-    record.step(what, command=command, **details)
-    run(command)
 
 
 # --- up ---------------------------------------------------------------------------------------
@@ -246,54 +459,81 @@ def act(record: Record, what: str, command: list[str], **details) -> None:
 def up(layout: Layout, directory: Path = DEFAULT_DIR) -> Record:
     """Build the hosts of layout and write hostfile, launch and mpiexec into directory.
 
-    Hosts recorded there already are taken down first. On a failure, whatever was made is
-    taken down again before the error is raised.
+    Hosts recorded there already are taken down first. On a failure or an interruption,
+    whatever was made is taken down again before the error is raised.
     """
+    check_layout(layout)
+    directory = directory.resolve()  # the scripts and the profile name it: from any cwd
     reason = unavailable()
     if reason is not None:
         raise HostsError(reason)
-    check_layout(layout)
-    directory = directory.resolve()  # the scripts and the profile name it: from any cwd
-    if Record.load(directory) is not None:
+    check_bandwidth(layout.bandwidth)
+    if Record.load(directory) is not None:  # checked first: a record not ours stops us here
         down(directory)
-    for name in layout.namespaces():
-        if Path("/run/netns", name).exists():
-            raise HostsError(
-                f"namespace {name} exists but {directory / 'state.json'} does not record it "
-                f"(another checkout's hosts, or build/ was removed): ip netns delete {name}"
-            )
-    record = Record(directory, layout)
+    directory.mkdir(parents=True, exist_ok=True)
     try:
+        owned(directory, stat.S_ISDIR, "directory")
+    except HostsError as err:
+        raise HostsError(f"{err}; or choose a directory of your own with --dir") from None
+    record = Record(directory, layout)
+    record.save()
+    keeper = None
+    try:
+        write_file(record, "etc-hosts", hosts_file(layout))
+        write_file(record, "resolv.conf", "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        keeper = start_keeper(record, directory)
         build(record, layout, directory)
+        keeper.stdin.write("keep\n")
+        keeper.stdin.close()  # from now on the keeper outlives us: `down` ends it
     except BaseException:
-        down(directory)
+        with signals_held():
+            if keeper is not None:
+                keeper.kill()  # and with it every namespace: nothing else runs inside yet
+                keeper.wait(timeout=TIMEOUT)
+            down(directory)
         raise
     record.complete = True
     record.save()
     return record
 
 
+class signals_held:
+    """SIGINT and SIGTERM ignored for a while (while `up` removes what it made)."""
+
+    def __enter__(self):
+        self.saved = [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]
+
+    def __exit__(self, *exc):
+        for s, handler in zip((signal.SIGINT, signal.SIGTERM), self.saved, strict=True):
+            signal.signal(s, handler)
+
+
 def check_layout(layout: Layout) -> None:
-    if not 1 <= layout.hosts <= 200:
-        raise HostsError(f"--hosts {layout.hosts}: between 1 and 200 hosts")
-    if layout.slots < 1:
-        raise HostsError(f"--slots {layout.slots}: at least 1 rank per host")
-    if not re.fullmatch(r"fsdpl-[a-z0-9-]{0,20}", layout.prefix):
-        raise HostsError(f"prefix {layout.prefix!r}: fsdpl- and up to 20 of [a-z0-9-]")
+    if type(layout.hosts) is not int or not 1 <= layout.hosts <= MAX_HOSTS:
+        raise HostsError(f"--hosts {layout.hosts}: between 1 and {MAX_HOSTS} hosts")
+    if type(layout.slots) is not int or not 1 <= layout.slots <= 1024:
+        raise HostsError(f"--slots {layout.slots}: between 1 and 1024 ranks per host")
+    prefix = layout.prefix
+    if not isinstance(prefix, str) or not re.fullmatch(r"fsdpl-[a-z0-9-]{0,20}", prefix):
+        raise HostsError(f"prefix {str(layout.prefix)[:40]!r}: fsdpl- and up to 20 of [a-z0-9-]")
+    if not isinstance(layout.bandwidth, str):
+        raise HostsError("--bandwidth: a rate as tc spells it, e.g. 1gbit")
     bits_per_second(layout.bandwidth)
 
 
 def build(record: Record, layout: Layout, directory: Path) -> None:
-    """Every step of `up`, each recorded before it is taken."""
-    # first, so that `down` removes it last, once nothing of ours runs that could write into it
+    """Every namespace, cable and script, inside the keeper: one shell per namespace."""
     profile = make_profile(record, layout, directory)
-    names_file = hosts_file(layout)
-    for ns in layout.namespaces():
-        make_namespace(record, ns, names_file)
-    make_switch(record, layout.switch)
+    run_inside(record, switch_commands(layout))
     for i, host in enumerate(layout.names):
-        make_cable(record, layout, i, host)
+        run_inside(record, host_commands(layout, i, host))
     write_scripts(record, layout, directory, profile)
+
+
+def run_inside(record: Record, commands: list[list[str]]) -> None:
+    """Run commands one after another inside the keeper (sh -e: the first failure stops it)."""
+    script = "set -e\n" + "\n".join(shlex.join(c) for c in commands)
+    run([*inside(record), "sh", "-c", script])
 
 
 def make_profile(record: Record, layout: Layout, directory: Path) -> Path:
@@ -301,9 +541,10 @@ def make_profile(record: Record, layout: Layout, directory: Path) -> Path:
     profile = directory / PROFILE
     if len(str(profile / "security" / "client-65535")) > 107:  # a Unix socket's path limit
         raise HostsError(f"{directory} is too long a path for Unix sockets: use a shorter --dir")
-    record.step("profile", path=str(profile))
-    profile.mkdir(parents=True, exist_ok=True)
-    (profile / "ipcluster_config.py").write_text(ipcluster_config(layout, profile))
+    record.files.append(PROFILE)
+    record.save()
+    profile.mkdir(exist_ok=True)
+    (profile / "ipcluster_config.py").write_text(ipcluster_config(record, layout, profile))
     return profile
 
 
@@ -314,78 +555,67 @@ def hosts_file(layout: Layout) -> str:
     )
 
 
-def make_namespace(record: Record, ns: str, names_file: str) -> None:
-    """One namespace (a host's or the switch's): its /etc files, IPv6 off, loopback up."""
-    act(record, "netns", ["ip", "netns", "add", ns], name=ns)
-    # `ip netns exec` shows these files as /etc/hosts and /etc/resolv.conf: the hosts' names
-    # resolve from the file, and a lookup of any other name asks no nameserver but 127.0.0.1
-    # inside the namespace, where none listens.
-    etc = Path("/etc/netns", ns)
-    if not etc.parent.exists():  # made by us, so removed by down when empty again
-        record.step("etc", path=str(etc.parent), files=[])
-        etc.parent.mkdir()
-    record.step("etc", path=str(etc), files=["hosts", "resolv.conf"])
-    # `ip netns add` just made ns, so an /etc/netns/ns already there is no live setup's: a
-    # killed run's (our prefix), which this one takes over and `down` removes
-    etc.mkdir(exist_ok=True)
-    (etc / "hosts").write_text(names_file)
-    (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-    # IPv6 off (where the kernel has it): no router solicitations on the counters
-    no_ipv6 = "for f in all default; do echo 1 >/proc/sys/net/ipv6/conf/$f/disable_ipv6; done"
-    no_ipv6 = f"({no_ipv6}) 2>/dev/null; :"
-    act(record, "inside", ["ip", "netns", "exec", ns, "sh", "-c", no_ipv6], name=ns)
-    act(record, "inside", ["ip", "-n", ns, "link", "set", "lo", "up"], name=ns)
+# IPv6 off (where the kernel has it): no router solicitations on the counters
+NO_IPV6 = (
+    "(for f in all default; do echo 1 >/proc/sys/net/ipv6/conf/$f/disable_ipv6; done)"
+    " 2>/dev/null; :"
+)
 
 
-def make_switch(record: Record, sw: str) -> None:
-    """The bridge in the switch's namespace, at SWITCH_ADDRESS."""
-    act(record, "inside", ["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"], name=sw)
-    act(
-        record,
-        "inside",
+def namespace_commands(ns: str) -> list[list[str]]:
+    """One namespace (a host's or the switch's), IPv6 off, loopback up."""
+    return [
+        ["ip", "netns", "add", ns],
+        ["ip", "netns", "exec", ns, "sh", "-c", NO_IPV6],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+    ]
+
+
+def switch_commands(layout: Layout) -> list[list[str]]:
+    """The switch's namespace and its bridge at SWITCH_ADDRESS."""
+    sw = layout.switch
+    return [
+        *namespace_commands(sw),
+        ["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"],
         ["ip", "-n", sw, "addr", "add", f"{SWITCH_ADDRESS}/24", "dev", BRIDGE],
-        name=sw,
-    )
-    act(record, "inside", ["ip", "-n", sw, "link", "set", BRIDGE, "up"], name=sw)
+        ["ip", "-n", sw, "link", "set", BRIDGE, "up"],
+    ]
 
 
-def make_cable(record: Record, layout: Layout, i: int, host: str) -> None:
-    """Host i's cable: a veth pair from its eth0 to a port of the bridge, both ends shaped."""
-    sw, port = layout.switch, f"fsdpl-p{i}"
-    peer = ["peer", "name", "eth0", "netns", host]  # the host's end of the pair
-    act(record, "inside", ["ip", "-n", sw, "link", "add", port, "type", "veth", *peer], name=sw)
-    act(record, "inside", ["ip", "-n", sw, "link", "set", port, "master", BRIDGE, "up"], name=sw)
-    act(
-        record,
-        "inside",
+def host_commands(layout: Layout, i: int, host: str) -> list[list[str]]:
+    """Host i's namespace and its cable: a veth pair from its eth0 to a port of the bridge,
+    both ends shaped."""
+    sw, port, shape = layout.switch, f"fsdpl-p{i}", tbf(layout.bandwidth)
+    return [
+        *namespace_commands(host),
+        ["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns",
+         host],
+        ["ip", "-n", sw, "link", "set", port, "master", BRIDGE, "up"],
         ["ip", "-n", host, "addr", "add", f"{layout.address(i)}/24", "dev", "eth0"],
-        name=host,
-    )
-    act(record, "inside", ["ip", "-n", host, "link", "set", "eth0", "up"], name=host)
-    shape = tbf(layout.bandwidth)
-    act(
-        record,
-        "inside",
+        ["ip", "-n", host, "link", "set", "eth0", "up"],
         ["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", *shape],
-        name=host,
-    )
-    act(record, "inside", ["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape], name=sw)
+        ["tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape],
+    ]  # fmt: skip
 
 
 def write_scripts(record: Record, layout: Layout, directory: Path, profile: Path) -> None:
     """hostfile, launch, mpiexec and ipcluster in directory."""
     hostfile = "".join(f"{name}:{layout.slots}\n" for name in layout.names)
-    write_file(record, directory / "hostfile", hostfile)
-    write_file(record, directory / "launch", launch_script(layout), executable=True)
-    write_file(record, directory / "mpiexec", mpiexec_script(directory), executable=True)
-    write_file(record, directory / "ipcluster", ipcluster_script(layout, profile), executable=True)
+    write_file(record, "hostfile", hostfile)
+    write_file(record, "launch", launch_script(layout), executable=True)
+    write_file(record, "mpiexec", mpiexec_script(directory), executable=True)
+    write_file(record, "ipcluster", ipcluster_script(record, layout, profile), executable=True)
 
 
-def write_file(record: Record, path: Path, text: str, executable: bool = False) -> None:
-    record.step("file", path=str(path))
-    path.write_text(text)
-    if executable:
-        path.chmod(0o755)
+def write_file(record: Record, name: str, text: str, executable: bool = False) -> None:
+    """Record the file, then write it (a file of FILES in the hosts' directory)."""
+    record.files.append(name)
+    record.save()
+    path = record.directory / name
+    path.unlink(missing_ok=True)  # ours (recorded) or a left-over of ours: never followed
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755 if executable else 0o644)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
 
 
 def launch_script(layout: Layout) -> str:
@@ -420,12 +650,12 @@ sys.exit(mpiexec_main(sys.argv[1:], {str(directory)!r}))
 """
 
 
-def ipcluster_config(layout: Layout, profile: Path) -> str:
+def ipcluster_config(record: Record, layout: Layout, profile: Path) -> str:
     """The profile's ipcluster_config.py: the controller in the switch's namespace, engines for
     hosts on 198.18.0.1 (tcp), clients through Unix sockets in the profile (ipc: the machine's
     own namespace cannot reach 198.18.0.1); the engines by MPI across the hosts."""
     python = [sys.executable, "-m", "ipyparallel.controller"]
-    controller = ["ip", "netns", "exec", layout.switch, *python]
+    controller = [*inside(record), "ip", "netns", "exec", layout.switch, *python]
     controller_args = [
         f"--IPController.engine_ip={SWITCH_ADDRESS}",
         "--IPController.client_transport=ipc",
@@ -441,15 +671,16 @@ c.LocalControllerLauncher.controller_args = {controller_args!r}
 """
 
 
-def ipcluster_script(layout: Layout, profile: Path) -> str:
+def ipcluster_script(record: Record, layout: Layout, profile: Path) -> str:
     """build/hosts/ipcluster: ipcluster with the hosts' profile (start -n 4, stop), run in the
     switch's namespace so that `down` ends it with its controller."""
     ipcluster = str(Path(sys.executable).parent / "ipcluster")
+    enter = shlex.join(inside(record)[:-1])  # the caller's directory instead of /
     ipcluster = shlex.join(["ip", "netns", "exec", layout.switch, ipcluster])
     return f"""#!/bin/sh
 # Written by `python -m fsdp_lesson hosts up`: `ipcluster start -n 4` (or stop) with the hosts'
 # profile: the controller in the switch's namespace, the engines on the hosts.
-exec {ipcluster} "$@" --profile-dir={shlex.quote(str(profile))}
+exec {enter} "$PWD" {ipcluster} "$@" --profile-dir={shlex.quote(str(profile))}
 """
 
 
@@ -499,19 +730,28 @@ def up_record(directory: Path = DEFAULT_DIR) -> Record:
     """The record of hosts that are up in directory; HostsError saying what to type if none."""
     record = Record.load(directory)
     if record is None or not record.complete:
-        raise HostsError(f"no simulated hosts are up ({directory}): python -m fsdp_lesson hosts up")
+        raise HostsError(
+            f"no simulated hosts are up in {directory}: python -m fsdp_lesson hosts up --dir "
+            f"{directory}"
+        )
+    if not keeper_alive(record):
+        raise HostsError(
+            f"the simulated hosts of {directory} are gone (their keeper, process "
+            f"{record.keeper['pid']}, ended): python -m fsdp_lesson hosts up --dir {directory}"
+        )
     return record
 
 
 def set_bandwidth(bandwidth: str, directory: Path = DEFAULT_DIR) -> None:
     """Re-shape both ends of every cable of the hosts that are up (tc qdisc replace): the same
     job at 10gbit, 1gbit and 100mbit, without rebuilding the hosts or restarting engines."""
+    check_bandwidth(bandwidth)
     record = up_record(directory)
     shape, sw = tbf(bandwidth), record.layout.switch
     ends = [(host, "eth0") for host in record.layout.names]
     ends += [(sw, f"fsdpl-p{i}") for i in range(record.layout.hosts)]
-    for ns, dev in ends:
-        run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *shape])
+    run_inside(record, [["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *shape]
+                        for ns, dev in ends])  # fmt: skip
     record.layout.bandwidth = bandwidth
     record.save()
 
@@ -519,12 +759,13 @@ def set_bandwidth(bandwidth: str, directory: Path = DEFAULT_DIR) -> None:
 def mpiexec_command(argv: list[str], directory: Path = DEFAULT_DIR) -> list[str]:
     """The command that runs hydra's mpiexec inside the switch's namespace, hostname and all,
     with the hosts' hostfile and launch script: argv is mpiexec's (-n N COMMAND...)."""
-    sw = up_record(directory).layout.switch
+    record = up_record(directory)
+    sw = record.layout.switch
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     return [
-        "ip", "netns", "exec", sw, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
-        sw, mpiexec, "-launcher", "ssh", "-launcher-exec", str(directory / "launch"),
-        "-f", str(directory / "hostfile"), *argv,
+        *inside(record, os.getcwd()), "ip", "netns", "exec", sw, "unshare", "--uts", "sh", "-c",
+        'hostname "$0" && exec "$@"', sw, mpiexec, "-launcher", "ssh", "-launcher-exec",
+        str(directory / "launch"), "-f", str(directory / "hostfile"), *argv,
     ]  # fmt: skip
 
 
@@ -545,17 +786,16 @@ def link_bytes(directory: Path = DEFAULT_DIR) -> dict[str, dict[str, int]]:
 
     What crossed between hosts is then the sum of the hosts' tx less the switch's rx.
     """
-    record = Record.load(directory)
-    if record is None:
-        raise HostsError(f"no simulated hosts are up ({directory})")
+    record = up_record(directory)
     where = [(host, "eth0") for host in record.layout.names] + [(record.layout.switch, BRIDGE)]
-    counters = {}
-    for ns, dev in where:
-        stats = f"/sys/class/net/{dev}/statistics"
-        read = ["cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]
-        tx, rx = run(["ip", "netns", "exec", ns, *read]).stdout.split()
-        counters[ns] = {"tx": int(tx), "rx": int(rx)}
-    return counters
+    read = [["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes",
+             f"/sys/class/net/{dev}/statistics/rx_bytes"] for ns, dev in where]  # fmt: skip
+    script = "set -e\n" + "\n".join(shlex.join(c) for c in read)
+    numbers = run([*inside(record), "sh", "-c", script]).stdout.split()
+    return {
+        ns: {"tx": int(numbers[2 * i]), "rx": int(numbers[2 * i + 1])}
+        for i, (ns, _) in enumerate(where)
+    }
 
 
 def between_hosts(before: dict, after: dict, directory: Path = DEFAULT_DIR) -> int:
@@ -570,52 +810,55 @@ def between_hosts(before: dict, after: dict, directory: Path = DEFAULT_DIR) -> i
 
 
 def down(directory: Path = DEFAULT_DIR) -> list[str]:
-    """Undo every recorded step, newest first; what was never made is skipped. Returns what was
-    removed. The record goes last, so a down that fails can be run again."""
+    """End every process inside the keeper's namespaces, then the keeper (the kernel frees the
+    namespaces), then remove the recorded files. Returns what was removed. The record goes
+    last, so a down that fails can be run again."""
+    directory = directory.resolve()
     record = Record.load(directory)
     if record is None:
         return []
     removed = []
-    namespaces = [step["name"] for step in record.steps if step["what"] == "netns"]
-    ours = [ns for ns in namespaces if ns.startswith(PREFIX) and Path("/run/netns", ns).exists()]
-    end_processes_in(ours)
-    for step in reversed(record.steps):
-        what = step["what"]
-        if what == "netns" and step["name"] in ours:
-            run(["ip", "netns", "delete", step["name"]])  # its links, addresses, qdiscs too
-            removed.append(f"namespace {step['name']}")
-        elif what == "etc" and is_ours(step["path"]):
-            etc = Path(step["path"])
-            for name in step["files"]:
-                (etc / name).unlink(missing_ok=True)
-            if etc.is_dir() and not any(etc.iterdir()):
-                etc.rmdir()
-        elif what == "file":
-            Path(step["path"]).unlink(missing_ok=True)
-        elif what == "profile" and Path(step["path"]).parent.resolve() == directory.resolve():
-            shutil.rmtree(step["path"], ignore_errors=True)
+    if keeper_alive(record):
+        pid = record.keeper["pid"]
+        end_processes(inside_user_namespace(pid))
+        end_processes([pid])
+        removed.append(f"{record.layout.hosts + 1} namespaces (keeper {pid})")
+    for name in reversed(record.files):  # validated: names of FILES and PROFILE only
+        path = directory / name
+        if name == PROFILE:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if record.files:
+        removed.append(f"{len(record.files)} files of {directory}")
     record.path.unlink()
     return removed
 
 
-def is_ours(etc: str) -> bool:
-    """/etc/netns itself (removed only when empty) or /etc/netns/fsdpl-...: nothing else."""
-    path = Path(etc)
-    return path == Path("/etc/netns") or (
-        path.parent == Path("/etc/netns") and path.name.startswith(PREFIX)
-    )
+def inside_user_namespace(keeper: int) -> list[int]:
+    """Every process in the keeper's user namespace but the keeper: everything that ran on the
+    hosts (their namespaces are entered only through it). Processes not ours are not readable,
+    so never listed."""
+    try:
+        ours = os.readlink(f"/proc/{keeper}/ns/user")
+    except OSError:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != keeper:
+            try:
+                if os.readlink(f"/proc/{entry}/ns/user") == ours:
+                    pids.append(int(entry))
+            except OSError:  # gone, or not ours
+                continue
+    return pids
 
 
-def end_processes_in(namespaces: list[str]) -> None:
-    """Stop what still runs in our namespaces (a job's mpiexec, proxies, ranks; a controller and
-    its engines), all at once: SIGTERM, then SIGKILL what is left after TIMEOUT seconds. (One
-    namespace at a time, an engine would wait out the TIMEOUT in MPI_Finalize for its peers.)"""
+def end_processes(pids: list[int]) -> None:
+    """Stop these processes (a job's mpiexec, proxies, ranks; a controller and its engines),
+    all at once: SIGTERM, then SIGKILL what is left after TIMEOUT seconds. (One namespace at
+    a time, an engine would wait out the TIMEOUT in MPI_Finalize for its peers.)"""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [
-            int(pid)
-            for ns in namespaces
-            for pid in run(["ip", "netns", "pids", ns], check=False).stdout.split()
-        ]
         for pid in pids:
             try:
                 os.kill(pid, sig)
@@ -642,54 +885,87 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m fsdp_lesson hosts", description=__doc__.splitlines()[0]
     )
     commands = parser.add_subparsers(dest="action", required=True)
-    start = commands.add_parser("up", help="build the hosts (root); taken down first if up")
+    start = commands.add_parser(
+        "up", help="build the hosts (no root needed: a user namespace); taken down first if up"
+    )
     start.add_argument("--hosts", type=int, default=2, help="hosts (default: 2)")
     start.add_argument("--slots", type=int, default=2, help="ranks per host (default: 2)")
     start.add_argument(
         "--bandwidth", default="1gbit", help="each host's link, as tc spells it (default: 1gbit)"
     )
-    start.add_argument("--prefix", default=PREFIX, help=argparse.SUPPRESS)  # the tests' own
     shape = commands.add_parser("shape", help="re-shape every cable of the hosts that are up")
     shape.add_argument("--bandwidth", required=True, help="as tc spells it: 10gbit, 100mbit")
     for sub in (start, commands.add_parser("down", help="remove what `up` recorded"), shape):
-        sub.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="default: build/hosts")
+        sub.add_argument(
+            "--dir", type=Path, default=DEFAULT_DIR, help=f"default: ${HOSTS_DIR_ENV}, build/hosts"
+        )
     args = parser.parse_args(argv)
+    directory = args.dir.resolve()
     try:
         if args.action == "shape":
-            set_bandwidth(args.bandwidth, args.dir)
+            set_bandwidth(args.bandwidth, directory)
             print(f"hosts shape: every link {args.bandwidth} both ways (tbf)")
             return 0
         if args.action == "down":
-            removed = down(args.dir)
+            removed = down(directory)
             print(f"hosts down: removed {', '.join(removed)}" if removed else "hosts down: none up")
             return 0
-        layout = Layout(args.hosts, args.slots, args.bandwidth, args.prefix)
-        up(layout, args.dir)
+        layout = Layout(args.hosts, args.slots, args.bandwidth)
+        with interrupts_raise():
+            up(layout, directory)
     except HostsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(summary(layout, args.dir))
+    except (KeyboardInterrupt, Interrupted) as err:
+        what = "SIGTERM" if isinstance(err, Interrupted) else "Ctrl-C"
+        print(f"hosts up: stopped by {what}; what it had made in {directory} is removed again "
+              "(keeper, namespaces, files)", file=sys.stderr)  # fmt: skip
+        return 2
+    print(summary(layout, directory))
     return 0
 
 
+class interrupts_raise:
+    """Ctrl-C raises KeyboardInterrupt and SIGTERM Interrupted, whatever handlers were set
+    (python -m fsdp_lesson sets the ranks' for every command): `up` cleans up after both."""
+
+    def __enter__(self):
+        def interrupt(signum, frame):
+            raise Interrupted()
+
+        self.wakeup = signal.set_wakeup_fd(-1)
+        self.saved = [
+            signal.signal(signal.SIGINT, signal.default_int_handler),
+            signal.signal(signal.SIGTERM, interrupt),
+        ]
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.saved[0])
+        signal.signal(signal.SIGTERM, self.saved[1])
+        signal.set_wakeup_fd(self.wakeup)
+
+
 def summary(layout: Layout, directory: Path) -> str:
+    where = "" if directory == (ROOT / "build" / "hosts").resolve() else f" --dir {directory}"
     lines = [
         f"hosts up: {layout.hosts} hosts x {layout.slots} slots, each link {layout.bandwidth} "
-        "both ways (tbf)"
+        "both ways (tbf), private to this user and directory"
     ]
     for i, name in enumerate(layout.names):
         lines.append(f"  {name}  {layout.address(i)}  slots {layout.slots}")
     lines.append(f"  {layout.switch}  {SWITCH_ADDRESS}  the switch (bridge {BRIDGE}); mpiexec")
     lines.append(
         f"run:  {directory / 'mpiexec'} -n {layout.hosts * layout.slots} python -m fsdp_lesson "
-        "train --strategy zero3 --out runs/z3"
+        "train --strategy zero3 --steps 200 --out runs/z3"
     )
+    env = "" if not where else f" (with {HOSTS_DIR_ENV}={directory})"
     lines.append(
-        f'notebook: connect(n={layout.hosts * layout.slots}, profile="hosts")   or, in a terminal: '
-        f"{directory / 'ipcluster'} start -n {layout.hosts * layout.slots}"
+        f'notebook{env}: connect(n={layout.hosts * layout.slots}, profile="hosts")   or, in a '
+        f"terminal: {directory / 'ipcluster'} start -n {layout.hosts * layout.slots}"
     )
-    lines.append("shape: python -m fsdp_lesson hosts shape --bandwidth 100mbit")
-    lines.append("stop: python -m fsdp_lesson hosts down   (make hosts-down)")
+    lines.append(f"shape: python -m fsdp_lesson hosts shape --bandwidth 100mbit{where}")
+    make = "" if where else "   (make hosts-down)"
+    lines.append(f"stop: python -m fsdp_lesson hosts down{where}{make}")
     return "\n".join(lines)
 
 

@@ -1,10 +1,14 @@
 """Simulated hosts (fsdp_lesson/hosts.py): every strategy at N = 4 across 2 hosts joined by a
 1 Gbit/s link trains the model single-rank training trains, its bytes cross the cables as the
 collectives' algorithms put them there, a checkpoint saved across hosts resumes on one machine,
-and `hosts down` leaves nothing behind, also after a crash between any two steps of `up`.
+and `hosts down` leaves nothing behind, also after a crash between any two steps of `up`; a
+record that is not the user's own, or names what `up` never makes, is refused with nothing
+touched; a rate tc would refuse is refused before anything changes.
 
-The hosts need root and iproute2; elsewhere those tests skip and say why. The tests build hosts
-of their own (prefix fsdpl-t-, a temporary directory), so hosts a user has up are untouched.
+The hosts need iproute2 and user namespaces (no root); elsewhere those tests skip and say why.
+Every set of hosts is private to its keeper (fsdp_lesson/hosts.py), so the tests' hosts (a
+temporary directory) and a user's never meet. tests/test_hosts_private.py runs them as an
+unprivileged user and two at once.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +28,7 @@ from mpi_helpers import simulated_hosts
 
 from fsdp_lesson import hosts
 from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
+from fsdp_lesson.hosts import PROFILE
 from fsdp_lesson.train import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,30 +40,36 @@ TRAIN = ["-m", "fsdp_lesson", "train"]
 FLAGS = ["--eval-batches", "0", "--samples", "0", "--log-every", str(STEPS)]
 
 
-def namespaces(prefix: str) -> list[str]:
+def namespaces(directory: Path) -> list[str]:
+    """The namespaces of the hosts in directory, as their keeper sees them."""
+    listed = hosts.run([*hosts.inside(hosts.up_record(directory)), "ip", "netns", "list"])
+    return sorted(line.split()[0] for line in listed.stdout.splitlines())
+
+
+def on_the_machine() -> list[str]:
+    """What of the hosts the machine itself shows: namespaces, /etc/netns entries and links
+    named fsdpl- in its own namespace. There should never be one: all of it is the keeper's."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return sorted(line.split()[0] for line in listed.stdout.splitlines() if line.startswith(prefix))
-
-
-def links_of_ours_in_the_machines_namespace() -> list[str]:
-    """There should never be one: everything lives in the namespaces hosts.py creates."""
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=30)
-    return [line for line in links.stdout.splitlines() if "fsdpl" in line]
+    return [
+        *(line for line in listed.stdout.splitlines() if line.startswith("fsdpl-")),
+        *(str(p) for p in Path("/etc/netns").glob("fsdpl-*")),
+        *(line for line in links.stdout.splitlines() if "fsdpl" in line),
+    ]
 
 
-def in_sight(prefix: str) -> list[str]:
-    """Everything named with prefix that this machine shows: namespaces, /etc/netns entries,
-    and any fsdpl- link in the machine's own namespace."""
-    etc = sorted(str(p) for p in Path("/etc/netns").glob(prefix + "*"))
-    return namespaces(prefix) + etc + links_of_ours_in_the_machines_namespace()
+def qdisc(directory: Path, ns: str, dev: str) -> str:
+    show = [*hosts.inside(hosts.up_record(directory)), "tc", "-n", ns, "qdisc", "show", "dev", dev]
+    return hosts.run(show).stdout
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """2 hosts x 2 slots at 1 Gbit/s, up once for the module and always down at its end."""
     with simulated_hosts(tmp_path_factory.mktemp("hosts"), PREFIX) as directory:
+        keeper = hosts.Record.load(directory).keeper["pid"]
         yield directory
-    assert not in_sight(PREFIX), f"hosts down left {in_sight(PREFIX)}"
+    assert not hosts.running(keeper) and sorted(directory.iterdir()) == []
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +106,11 @@ def test_up_builds_what_it_records(cluster):
     record = hosts.Record.load(cluster)
     assert record.complete and record.layout.names == [f"{PREFIX}h0", f"{PREFIX}h1"]
     assert (cluster / "hostfile").read_text() == f"{PREFIX}h0:2\n{PREFIX}h1:2\n"
-    assert namespaces(PREFIX) == sorted(record.layout.namespaces())
-    assert links_of_ours_in_the_machines_namespace() == []
+    assert namespaces(cluster) == sorted(record.layout.namespaces())
+    assert on_the_machine() == []
     for ns, dev in [(f"{PREFIX}h0", "eth0"), (f"{PREFIX}sw", "fsdpl-p0")]:  # both ends shaped
-        qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
-                               text=True, timeout=30).stdout  # fmt: skip
-        assert "tbf" in qdisc and "rate 1Gbit" in qdisc, qdisc
+        shown = qdisc(cluster, ns, dev)
+        assert "tbf" in shown and "rate 1Gbit" in shown, shown
     out, _ = across_hosts(cluster, 4, "-c", "import socket; print(socket.gethostname())")
     placed = sorted(re.findall(rf"{PREFIX}h\d", out.stdout))  # a host's slots, then the next
     assert placed == [f"{PREFIX}h0"] * 2 + [f"{PREFIX}h1"] * 2
@@ -161,75 +173,174 @@ CRASH = """
 import os, sys
 from pathlib import Path
 from fsdp_lesson import hosts
-steps, take = 0, int(sys.argv[2])
-def step(self, what, **details):  # record the step, then die before taking it
-    global steps
-    original(self, what, **details)
-    steps += 1
-    if steps == take:
+saves, at = 0, int(sys.argv[2])
+def save(self):  # write the record, then die before the step it records
+    global saves
+    original(self)
+    saves += 1
+    if saves == at:
         os._exit(9)
-original, hosts.Record.step = hosts.Record.step, step
-hosts.up(hosts.Layout(2, 1, "100mbit", "fsdpl-c-"), Path(sys.argv[1]))
+original, hosts.Record.save = hosts.Record.save, save
+hosts.up(hosts.Layout(2, 1, "100mbit"), Path(sys.argv[1]))
 """
 
 
+def ended(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while hosts.running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not hosts.running(pid)
+
+
 @needs_hosts
-@pytest.mark.parametrize("crash_at", [1, 2, 5, 14, 17, 23, 29])
-def test_down_cleans_up_after_a_crash_between_any_two_steps(tmp_path, crash_at):
-    """A process that dies after recording step k, before taking it: namespaces, links and
-    /etc/netns entries up to step k - 1 exist, and down removes all of them."""
+@pytest.mark.parametrize("crash_at", [1, 4, 5, 9, 10])
+def test_a_crash_of_up_at_any_step_leaves_nothing_that_down_does_not_remove(tmp_path, crash_at):
+    """`up` killed outright after writing its record's k-th version: before the keeper was told
+    to keep (k < 10) it ends by itself, taking every namespace with it; after (k = 10, the
+    record not yet complete) `down` ends it. Either way `down` leaves the directory empty."""
     out = subprocess.run(
         [sys.executable, "-c", CRASH, str(tmp_path), str(crash_at)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 9, out.stderr
-    assert len(hosts.Record.load(tmp_path).steps) == crash_at
+    keeper = hosts.Record.load(tmp_path).keeper
+    if keeper is not None and crash_at < 10:
+        assert ended(keeper["pid"]), "the keeper outlived `up`"
     hosts.down(tmp_path)
-    assert not in_sight("fsdpl-c-") and not (tmp_path / "state.json").exists()
+    assert keeper is None or not hosts.running(keeper["pid"])
+    assert sorted(tmp_path.iterdir()) == [] and on_the_machine() == []
 
 
 @needs_hosts
-def test_up_takes_over_what_a_killed_run_left_in_etc_netns(tmp_path):
-    """A run killed outright (SIGKILL: no `down`) leaves /etc/netns/<ns> behind after its
-    namespace is gone; the next `up` with that prefix builds over it, and `down` removes it."""
-    stale = Path("/etc/netns/fsdpl-e-sw")
-    stale.mkdir(parents=True, exist_ok=True)
-    (stale / "hosts").write_text("left by a killed run\n")
-    try:
-        hosts.up(hosts.Layout(2, 1, "100mbit", "fsdpl-e-"), tmp_path)
-        assert "fsdpl-e-h0" in (stale / "hosts").read_text()
-    finally:
-        hosts.down(tmp_path)
-    assert not in_sight("fsdpl-e-")
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_up_interrupted_removes_what_it_made_and_says_so(tmp_path, how):
+    """Ctrl-C or SIGTERM while `hosts up --hosts 200` builds: one line of its own, exit 2, the
+    keeper (and so every namespace) gone and no file left."""
+    directory = tmp_path / "hosts"
+    command = [sys.executable, "-m", "fsdp_lesson", "hosts", "up", "--hosts", "200", "--dir",
+               str(directory)]  # fmt: skip
+    building = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until a few hosts exist
+        record = hosts.Record.load(directory) if directory.exists() else None
+        if record is not None and PROFILE in record.files:
+            break
+        time.sleep(0.05)
+    time.sleep(1)
+    keeper = hosts.Record.load(directory).keeper["pid"]
+    building.send_signal(how)
+    out, err = building.communicate(timeout=60)
+    assert building.returncode == 2 and err.count("\n") == 1, err
+    assert "hosts up: stopped by" in err and "removed" in err and "Traceback" not in err
+    assert not hosts.running(keeper) and sorted(directory.iterdir()) == []
 
 
-def test_down_removes_only_what_is_recorded_and_ours(tmp_path, monkeypatch):
-    """A record that names a namespace or an /etc/netns entry not named fsdpl-... (edited, or
-    damaged) makes down skip it: it never runs a command on what it did not create."""
-    commands = []
-    monkeypatch.setattr(hosts, "run", lambda command, check=True: commands.append(command))
-    record = hosts.Record(tmp_path, hosts.Layout(1, 1, "1gbit"))
-    record.step("netns", name="production", command=["ip", "netns", "add", "production"])
-    record.step("etc", path="/etc/netns/production", files=["hosts"])
-    record.step("etc", path="/etc/fsdpl-x", files=["hosts"])
-    hosts.down(tmp_path)
-    assert commands == [] and not (tmp_path / "state.json").exists()
+def forged(directory: Path, **changes) -> Path:
+    """A record of 1 host in directory, as `up` writes it, with changes."""
+    directory.mkdir(mode=0o755)
+    record = hosts.Record(directory, hosts.Layout(1, 1, "1gbit"))
+    record.files, record.complete = ["hostfile"], True
+    for name, value in changes.items():
+        setattr(record, name, value)
+    record.save()
+    (directory / "hostfile").write_text("fsdpl-h0:1\n")
+    return directory
 
 
-def test_without_root_it_says_so_in_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(hosts.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
-    assert hosts.main(["up"]) == 2
+def refused(directory: Path, capsys, *words: str) -> None:
+    """`hosts down` refuses the record in one line naming words, and removes nothing."""
+    before = sorted(directory.iterdir())
+    assert hosts.main(["down", "--dir", str(directory)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "need root" in err
+    assert err.count("\n") == 1 and "nothing was touched" in err, err
+    assert all(word in err for word in words), err
+    assert sorted(directory.iterdir()) == before
 
 
-def test_bandwidth_as_tc_spells_it():
+def test_a_record_naming_files_up_never_writes_is_refused(tmp_path, capsys):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    refused(forged(tmp_path / "hosts", files=["hostfile", "../victim"]), capsys, "../victim")
+    assert victim.read_text() == "keep me\n"
+
+
+def test_a_record_naming_a_process_not_a_keeper_ends_nothing(tmp_path):
+    """The pid and start time of a process of the user's own (not a keeper in a user namespace
+    of its own): down removes the recorded files and leaves the process running."""
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        keeper = {"pid": victim.pid, "start": hosts.start_time(victim.pid)}
+        directory = forged(tmp_path / "hosts", keeper=keeper)
+        hosts.down(directory)
+        assert victim.poll() is None and sorted(directory.iterdir()) == []
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("damage", ["others-write", "symlink", "directory-others-write",
+                                    "not-json", "prefix"])  # fmt: skip
+def test_a_record_others_could_have_written_is_refused(tmp_path, capsys, damage):
+    directory = forged(tmp_path / "hosts")
+    state = directory / "state.json"
+    if damage == "others-write":
+        state.chmod(0o666)
+    elif damage == "symlink":
+        elsewhere = tmp_path / "elsewhere.json"
+        state.rename(elsewhere)
+        state.symlink_to(elsewhere)
+    elif damage == "directory-others-write":
+        directory.chmod(0o777)
+    elif damage == "not-json":
+        state.write_text("{")
+    else:
+        state.write_text(state.read_text().replace('"fsdpl-"', '"victim-"'))
+    refused(directory, capsys)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_root_refuses_a_record_another_user_wrote(tmp_path, capsys):
+    """The record and its directory of uid 65534: root refuses it and names its owner."""
+    directory = forged(tmp_path / "hosts")
+    for path in (directory, directory / "state.json"):
+        os.chown(path, 65534, 65534)
+    refused(directory, capsys, "uid 65534", "--dir")
+
+
+def test_what_to_enable_names_the_switch_that_is_off(tmp_path, monkeypatch, capsys):
+    switch = tmp_path / "unprivileged_userns_clone"
+    switch.write_text("0\n")
+    monkeypatch.setattr(hosts, "USERNS_SWITCHES", [(str(switch), "0", "sysctl -w x=1")])
+    assert "enable unprivileged user namespaces: sysctl -w x=1" in hosts.what_to_enable()
+    monkeypatch.setattr(
+        hosts, "unavailable", lambda: f"simulated hosts: no; {hosts.what_to_enable()}"
+    )
+    assert hosts.main(["up", "--dir", str(tmp_path / "hosts")]) == 2
+
+
+def test_bandwidth_as_tc_spells_it(capsys):
     assert hosts.bits_per_second("1gbit") == 1e9
     assert hosts.bits_per_second("100mbit") == 1e8
     assert hosts.tbf("1gbit")[:4] == ["tbf", "rate", "1000000000bit", "burst"]
     with pytest.raises(hosts.HostsError, match="as tc spells it"):
         hosts.bits_per_second("1gb/s")
+    for rate in ("0.0000001bit", "1bit", "99999999999999999999tbit", "200gbit"):
+        assert hosts.main(["shape", "--bandwidth", rate, "--dir", "/nonexistent"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--bandwidth" in err, err
+
+
+@needs_hosts
+def test_a_bad_rate_changes_nothing_on_running_hosts(cluster, capsys):
+    """`shape` and `up` with a rate tc refuses: one line each, the hosts up, the cables as were."""
+    keeper = hosts.Record.load(cluster).keeper
+    assert hosts.main(["shape", "--bandwidth", "1bit", "--dir", str(cluster)]) == 2
+    assert hosts.main(["up", "--bandwidth", "99999999999999999999tbit", "--dir", str(cluster)]) == 2
+    assert capsys.readouterr().err.count("\n") == 2
+    record = hosts.Record.load(cluster)
+    assert record.complete and record.keeper == keeper and hosts.keeper_alive(record)
+    assert "rate 1Gbit" in qdisc(cluster, f"{PREFIX}h0", "eth0")
 
 
 def test_the_hosts_environment_overrides_loopback_binding(monkeypatch):

@@ -3,8 +3,8 @@ places rank r on host r // slots, the controller listens on the switch, the clie
 from the machine's own namespace through Unix sockets, MPI between engines crosses the cables,
 `hosts shape` re-shapes them under running engines, and `hosts down` ends and removes it all.
 
-Real namespaces, a real ipcluster and real MPI; root only (elsewhere those tests skip and say
-why). The hosts are the tests' own (prefix fsdpl-e-, a temporary directory, found by connect()
+Real namespaces, a real ipcluster and real MPI; user namespaces needed (elsewhere those tests
+skip and say why). The hosts are the tests' own (a temporary directory, found by connect()
 through $FSDP_LESSON_HOSTS_DIR) and so is IPYTHONDIR: a user's hosts and profiles are untouched.
 """
 
@@ -56,16 +56,10 @@ def timed_allreduce(nbytes: int, repeats: int) -> tuple[float, float]:
     return time.perf_counter() - start, float(total[0])
 
 
-def namespaces() -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    return sorted(line.split()[0] for line in listed.stdout.splitlines() if line.startswith(PREFIX))
-
-
-def processes_in(names: list[str]) -> list[int]:
-    """Every process in these namespaces: controller, schedulers, mpiexec, proxies, engines..."""
-    out = [subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-           for ns in names]  # fmt: skip
-    return [int(pid) for o in out for pid in o.stdout.split()]
+def processes_in(directory: Path) -> list[int]:
+    """Every process on the hosts of directory: controller, schedulers, mpiexec, proxies,
+    engines... (all of them in the keeper's user namespace)."""
+    return hosts.inside_user_namespace(hosts.up_record(directory).keeper["pid"])
 
 
 def across(directory: Path, ranks, nbytes: int, repeats: int) -> tuple[float, int]:
@@ -77,9 +71,9 @@ def across(directory: Path, ranks, nbytes: int, repeats: int) -> tuple[float, in
     return max(seconds for seconds, _ in results), crossed
 
 
-def qdisc(ns: str, dev: str) -> str:
-    show = ["tc", "-n", ns, "qdisc", "show", "dev", dev]
-    return subprocess.run(show, capture_output=True, text=True, timeout=30).stdout
+def qdisc(directory: Path, ns: str, dev: str) -> str:
+    show = [*hosts.inside(hosts.up_record(directory)), "tc", "-n", ns, "qdisc", "show", "dev", dev]
+    return hosts.run(show).stdout
 
 
 @pytest.fixture(scope="module")
@@ -131,21 +125,20 @@ def test_connect_places_the_engines_on_the_hosts_and_mpi_crosses_the_cables(simu
 def test_shape_changes_every_cable_under_running_engines(simulated, ranks):
     """100 Mbit/s through `hosts shape`, then back to 1 Gbit/s through set_bandwidth: tc shows
     the rate on both ends of each cable, the record follows, the same engines keep running,
-    and the allreduces take at least the time their bytes need at 100 Mbit/s."""
+    and the allreduces take at least the time their bytes need at 100 Mbit/s (a bound a busy
+    machine cannot cross: it only slows them)."""
     pids = ranks.run(os.getpid)
     assert hosts.main(["shape", "--bandwidth", "100mbit", "--dir", str(simulated)]) == 0
     for ns, dev in [(f"{PREFIX}h0", "eth0"), (f"{PREFIX}h1", "eth0"), (f"{PREFIX}sw", "fsdpl-p1")]:
-        assert "rate 100Mbit" in qdisc(ns, dev), qdisc(ns, dev)
+        assert "rate 100Mbit" in qdisc(simulated, ns, dev), qdisc(simulated, ns, dev)
     assert hosts.Record.load(simulated).layout.bandwidth == "100mbit"
     slow, crossed = across(simulated, ranks, 4 * MIB, 3)
     # each host sends half of what crosses, through its own 100 Mbit/s cable
     assert slow >= 0.8 * (crossed / 2) * 8 / 100e6, (slow, crossed)
 
     hosts.set_bandwidth("1gbit", simulated)
-    assert "rate 1Gbit" in qdisc(f"{PREFIX}sw", "fsdpl-p0")
+    assert "rate 1Gbit" in qdisc(simulated, f"{PREFIX}sw", "fsdpl-p0")
     assert hosts.Record.load(simulated).layout.bandwidth == "1gbit"
-    fast, _ = across(simulated, ranks, 4 * MIB, 3)
-    assert fast * 2.5 < slow, f"1gbit {fast:.3f} s, 100mbit {slow:.3f} s"  # 10x, loosely
     assert ranks.run(os.getpid) == pids
 
 
@@ -196,19 +189,18 @@ def test_a_cluster_started_in_a_terminal_is_used(simulated, ranks):
 def test_down_ends_the_clusters_and_leaves_nothing(simulated, ranks):
     """With both clusters running: no namespace, no process of theirs, no profile, nothing in
     the machine's own network, and the Ranks closes without remaking the profile."""
-    names = hosts.Record.load(simulated).layout.namespaces()
-    pids = processes_in(names)
+    pids = processes_in(simulated)
+    keeper = hosts.up_record(simulated).keeper["pid"]
     controller, mpiexec = ranks.cluster.controller.process.pid, ranks.cluster.engine_set.process.pid
     assert {controller, mpiexec, *ranks.pids} <= set(pids)
     started = time.monotonic()
     hosts.down(simulated)
     took = time.monotonic() - started
-    assert [p for p in pids if hosts.running(p)] == []
+    assert [p for p in [*pids, keeper] if hosts.running(p)] == []
     assert took < 15, f"down took {took:.1f} s: something waited out SIGTERM"
-    assert namespaces() == []
-    assert sorted(Path("/etc/netns").glob(PREFIX + "*")) == []
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=30).stdout
-    assert "fsdpl" not in links
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=30)
+    assert "fsdpl" not in listed.stdout + links.stdout
     ranks.close()
     assert sorted(simulated.iterdir()) == []  # no profile, scripts or record
 
@@ -221,3 +213,4 @@ def test_connect_to_hosts_that_are_not_up_says_what_to_type(tmp_path, monkeypatc
     message = str(info.value)
     assert "\n" not in message
     assert f"python -m fsdp_lesson hosts up --hosts 2 --slots 2 --dir {tmp_path}" in message
+    assert "as root" not in message

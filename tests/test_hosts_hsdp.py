@@ -7,7 +7,7 @@ single-rank training trains; the ring's count of the bytes between hosts (each r
 to a right neighbour on another host, Comm.between_hosts) is what the cables carry, and the
 placement changes it threefold.
 
-Needs root and iproute2 (skips with the reason elsewhere); its own hosts, prefix fsdpl-s-.
+Needs iproute2 and user namespaces, no root (skips with the reason elsewhere); its own hosts.
 """
 
 from __future__ import annotations

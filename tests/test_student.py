@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import student  # noqa: E402  (tools/student.py)
 from execute_notebooks import execute  # noqa: E402  (tools/execute_notebooks.py)
-from lesson import needs_hosts  # noqa: E402  (tools/lesson.py)
+from lesson import hosts_are_up, needs_hosts  # noqa: E402  (tools/lesson.py)
 
 CHECK_IMPORT = "from fsdp_lesson.checks import check, compare"
 FUNCTION = """\
@@ -300,8 +300,7 @@ def hosts_up() -> bool:
     """Whether simulated hosts are up where notebook 13 looks for them (build/hosts)."""
     from fsdp_lesson import hosts
 
-    record = hosts.Record.load(hosts.DEFAULT_DIR)
-    return record is not None and record.complete
+    return hosts_are_up(hosts)
 
 
 def output_text(cells: list) -> str:
