@@ -95,9 +95,16 @@ def simulated_hosts(notebooks: list[Path]):
 
 
 def prepare_environment() -> None:
-    """This venv's mpiexec first on PATH; this job's cluster files apart from a learner's own."""
+    """This venv's mpiexec first on PATH; this job's cluster files apart from a learner's own.
+
+    The directory is made here: IPython, finding no parent to create it in (a fresh clone has
+    no build/), would give each process a temporary directory of its own, and the notebooks'
+    connect() would then start clusters of their own instead of using this job's.
+    """
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-    os.environ["IPYTHONDIR"] = os.environ.get("LESSON_IPYTHONDIR", str(ROOT / "build" / "ipython"))
+    ipython_dir = Path(os.environ.get("LESSON_IPYTHONDIR", ROOT / "build" / "ipython"))
+    ipython_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["IPYTHONDIR"] = str(ipython_dir)
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no streaming, no progress widgets
 
 
