@@ -153,8 +153,8 @@ def run_tests(pytest_args: list[str]) -> int:
     Every notebook runs twice on the same engines, with its outputs compared both times, so a
     notebook that leaves state behind fails: first the teacher's notebook under nbval, then its
     student copy (tests/test_student.py), which must run and print every output nbval compares
-    but its exercises'; a notebook without exercises runs twice under nbval. (nbval twice and
-    the student copies a third time cost a third of make test.)
+    but its exercises'; a notebook without exercises runs twice under nbval. (Each notebook
+    used to run three times: nbval twice, then its student copy, compared with nothing.)
     Paths among pytest_args replace the default selection; simulated hosts come up only for
     the default selection or a notebook that needs them.
     """
