@@ -353,6 +353,7 @@ def assert_same_outputs_but_the_exercises(name, teacher, student_copy, exercise_
         reference = committed.get(cell.id)
         if (
             reference is None  # the cell that sets student mode
+            or reference.execution_count is None  # never run: nbval compares nothing either
             or cell.id in exercise_ids
             or "NBVAL_IGNORE_OUTPUT" in reference.source
             or NOT_SOLVED in output_text([cell])
