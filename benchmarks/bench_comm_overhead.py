@@ -1,6 +1,6 @@
 """Comm's per-call overhead: 10^5 allreduce_mean calls of 4 KB against bare mpi4py.
 
-    mpiexec -n 2 python benchmarks/bench_comm_overhead.py [CALLS]
+    mpiexec -n 2 python benchmarks/bench_comm_overhead.py [--calls CALLS]
 
 Prints µs per call for the bare `Allreduce` + division that Comm does in mpi mode, for
 `Comm.allreduce_mean`, and the difference: what Comm's bookkeeping costs a call; then, for
@@ -9,7 +9,7 @@ rounds, the three alternating (the machine is shared, so its load drifts); each 
 median over rounds.
 """
 
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -49,5 +49,16 @@ def main(calls: int) -> None:
         )
 
 
+def calls_flag(text: str) -> int:
+    """--calls: a whole number of at least 10 (the calls are split into 10 rounds)."""
+    if not text.isdigit() or int(text) < 10:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 10, got {text}")
+    return int(text)
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100_000)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--calls", type=calls_flag, default=100_000, help="allreduce calls per contender"
+    )
+    main(parser.parse_args().calls)

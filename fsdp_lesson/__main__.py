@@ -1,4 +1,4 @@
-"""Command line: `python -m fsdp_lesson train|bench|data ...`; train runs under mpiexec too.
+"""Command line: python -m fsdp_lesson train|commbench|hosts|bench|plan|data (train: mpiexec too).
 
 python -m fsdp_lesson train --strategy single --steps 1000
 mpiexec -n 4 python -m fsdp_lesson train --strategy dp --steps 1000 --out runs/dp

@@ -1,7 +1,7 @@
 """Bad input, table-driven: one clear line with cause and fix, exit code 2, every rank, no hang.
 
 Each case runs the real CLI under `mpiexec -n 2` (or plain python for single), bounded by a
-timeout; the README's troubleshooting table lists the same cases.
+timeout; docs/troubleshooting.md's table lists the same cases.
 """
 
 import subprocess

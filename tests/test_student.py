@@ -2,11 +2,14 @@
 
 import subprocess
 import sys
+from collections import defaultdict
+from copy import deepcopy
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+from nbval.plugin import coalesce_streams, transform_streams_for_comparison
 
 from fsdp_lesson.checks import NOT_SOLVED
 
@@ -140,6 +143,23 @@ def test_student_copy_runs_and_every_checker_says_not_solved(tmp_path):
     ]
 
 
+def test_a_second_run_is_compared_but_at_the_exercises_and_the_unsolved_checkers():
+    teacher = teacher_notebook()
+    exercises = {cell.id for cell in teacher.cells if student.BEGIN in cell.source}
+    second = student.student_copy(teacher, "99_synthetic.ipynb")
+    by_source = {cell.source: cell for cell in second.cells}
+    by_source["print(1 + 1)"].outputs = [new_output("stream", text="2\n")]
+    exercise = next(cell for cell in second.cells if cell.id in exercises)
+    exercise.outputs = [new_output("stream", text="anything\n")]
+    assert_same_outputs_but_the_exercises("99", teacher, second, exercises)  # as committed
+
+    by_source["print(1 + 1)"].outputs = [new_output("stream", text="3\n")]
+    with pytest.raises(pytest.fail.Exception, match=r"cell 8 \('print\(1 \+ 1\)'\): printed\n3\n"):
+        assert_same_outputs_but_the_exercises("99", teacher, second, exercises)
+    by_source["print(1 + 1)"].outputs.append(new_output("stream", text=f"✗ x: {NOT_SOLVED}\n"))
+    assert_same_outputs_but_the_exercises("99", teacher, second, exercises)  # a checker spoke
+
+
 def write(nb: nbformat.NotebookNode, path: Path) -> Path:
     nbformat.write(nb, path)
     return path
@@ -269,7 +289,13 @@ NOTEBOOKS_WITH_SOLUTIONS = [
 @pytest.mark.parametrize("teacher_path", NOTEBOOKS_WITH_SOLUTIONS, ids=lambda path: path.stem)
 def test_student_copy_runs_on_the_cluster_and_every_checker_says_not_solved(teacher_path):
     """Executed where `make student` puts it (build/student/), as a student would run it: no
-    error, and after each exercise a checker prints "not solved yet" before the next exercise."""
+    error, and after each exercise a checker prints "not solved yet" before the next exercise.
+
+    It is also the notebook's second run on the same engines (make test runs the teacher's
+    notebook once under nbval, before this): every output nbval would compare is the committed
+    one, but the exercises' own and where a checker says "not solved yet". So a notebook that
+    leaves state behind fails here, and so does an exercise that feeds a later cell.
+    """
     if needs_hosts(teacher_path) and not hosts_up():
         pytest.skip("notebook 13 runs on the simulated hosts, and none are up (make hosts)")
     (path,) = student.write_student_copies([teacher_path], student.OUT)
@@ -279,6 +305,7 @@ def test_student_copy_runs_on_the_cluster_and_every_checker_says_not_solved(teac
     exercise_ids = {
         c.id for c in teacher.cells if c.cell_type == "code" and student.BEGIN in c.source
     }
+    assert_same_outputs_but_the_exercises(path.name, teacher, copy, exercise_ids)
     teacher_output = output_text(teacher.cells)
     pending = None  # the exercise cell whose checker has not spoken yet
     for cell in copy.cells:
@@ -294,6 +321,51 @@ def test_student_copy_runs_on_the_cluster_and_every_checker_says_not_solved(teac
             if ("✗" in line or "DIFFERS" in line) and line not in teacher_output:
                 assert NOT_SOLVED in line, f"{path.name}: a stub gives a wrong answer: {line}"
     assert pending is None, f"{path.name}: no 'not solved yet' after the exercise {pending}"
+
+
+# What nbval leaves out of a comparison (nbval.plugin.IPyNbFile.skip_compare, images included)
+NOT_COMPARED = {"metadata", "traceback", "prompt_number", "output_type", "name",
+                "execution_count", "application/vnd.jupyter.widget-view+json", "image/png",
+                "image/jpeg"}  # fmt: skip
+
+
+def compared(outputs: list) -> dict[str, list]:
+    """A cell's outputs as nbval compares them: streams joined by name, every other output's
+    fields and MIME types each a list of values, what nbval skips left out."""
+    fields = defaultdict(list)
+    for output in transform_streams_for_comparison(coalesce_streams(deepcopy(outputs))):
+        for key, value in output.items():
+            if key == "data":
+                for mime, data in value.items():
+                    if mime not in NOT_COMPARED:
+                        fields[mime].append(data)
+            elif key not in NOT_COMPARED:
+                fields[key].append(value)
+    return dict(fields)
+
+
+def assert_same_outputs_but_the_exercises(name, teacher, student_copy, exercise_ids) -> None:
+    """Every output of student_copy that nbval compares in teacher equals the teacher's, but
+    the exercise cells' and those in which a checker says "not solved yet"."""
+    committed = {cell.id: cell for cell in teacher.cells if cell.cell_type == "code"}
+    differ = []
+    for index, cell in enumerate(student_copy.cells):
+        reference = committed.get(cell.id)
+        if (
+            reference is None  # the cell that sets student mode
+            or reference.execution_count is None  # never run: nbval compares nothing either
+            or cell.id in exercise_ids
+            or "NBVAL_IGNORE_OUTPUT" in reference.source
+            or NOT_SOLVED in output_text([cell])
+        ):
+            continue
+        if compared(cell.outputs) != compared(reference.outputs):
+            differ.append(
+                f"cell {index} ({cell.source.splitlines()[0][:60]!r}): printed\n"
+                f"{output_text([cell])[:600]}\ncommitted:\n{output_text([reference])[:600]}"
+            )
+    if differ:
+        pytest.fail(f"{name}, a second run on the same engines:\n" + "\n".join(differ))
 
 
 def hosts_up() -> bool:

@@ -108,9 +108,16 @@ def hosts_are_up(hosts) -> bool:
 
 
 def prepare_environment() -> None:
-    """This venv's mpiexec first on PATH; this job's cluster files apart from a learner's own."""
+    """This venv's mpiexec first on PATH; this job's cluster files apart from a learner's own.
+
+    The directory is made here: IPython, finding no parent to create it in (a fresh clone has
+    no build/), would give each process a temporary directory of its own, and the notebooks'
+    connect() would then start clusters of their own instead of using this job's.
+    """
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-    os.environ["IPYTHONDIR"] = os.environ.get("LESSON_IPYTHONDIR", str(ROOT / "build" / "ipython"))
+    ipython_dir = Path(os.environ.get("LESSON_IPYTHONDIR", ROOT / "build" / "ipython"))
+    ipython_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["IPYTHONDIR"] = str(ipython_dir)
     os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no streaming, no progress widgets
 
 
@@ -154,22 +161,30 @@ def run_lesson(notebooks: list[Path]) -> int:
 
 
 def run_tests(pytest_args: list[str]) -> int:
-    """pytest over tests/ and the notebooks (nbval, strict), with the cluster the notebooks use.
+    """The notebooks under nbval (strict), then tests/, with the cluster the notebooks use.
 
-    The notebooks run twice (pytest --keep-duplicates): nbval must pass run after run, and the
-    second run, against the same engines, catches state a notebook leaves behind. (A third run
-    repeated those checks and cost a fifth of make test.)
-    Paths among pytest_args replace the default selection.
+    Every notebook runs twice on the same engines, with its outputs compared both times, so a
+    notebook that leaves state behind fails: first the teacher's notebook under nbval, then its
+    student copy (tests/test_student.py), which must run and print every output nbval compares
+    but its exercises'; a notebook without exercises runs twice under nbval. (Each notebook
+    used to run three times: nbval twice, then its student copy, compared with nothing.)
+    Paths among pytest_args replace the default selection; simulated hosts come up only for
+    the default selection or a notebook that needs them.
     """
+    import nbformat
+    from student import has_solutions  # tools/student.py, beside this file
+
     prepare_environment()
     paths = [a for a in pytest_args if not a.startswith("-")]
     options = [a for a in pytest_args if a.startswith("-")]
-    with mpi_cluster(), simulated_hosts(NOTEBOOKS) as no_hosts:
+    wanted = [Path(p).resolve() for p in paths if p.endswith(".ipynb")] if paths else NOTEBOOKS
+    with mpi_cluster(), simulated_hosts(wanted) as no_hosts:
         notebooks = NOTEBOOKS
         if no_hosts:  # tests/test_student.py skips the same notebooks, with the same reason
             notebooks = [path for path in NOTEBOOKS if not needs_hosts(path)]
             print(f"not under nbval: notebook 13, which {no_hosts}", flush=True)
-        selection = paths or ["tests", *map(str, notebooks * 2), "--keep-duplicates"]
+        again = [path for path in notebooks if not has_solutions(nbformat.read(path, 4))]
+        selection = paths or [*map(str, notebooks + again), "tests", "--keep-duplicates"]
         nbval = ["--nbval", "--nbval-current-env", "--nbval-cell-timeout=600"]
         command = [sys.executable, "-m", "pytest", *selection, *nbval, "-p", "no:cacheprovider"]
         return subprocess.call(command + options, cwd=ROOT)
