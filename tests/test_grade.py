@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import grade  # noqa: E402  (tools/grade.py)
+import sandbox  # noqa: E402  (tools/sandbox.py)
 import student  # noqa: E402  (tools/student.py)
 
 LESSON_01 = ROOT / "notebooks" / "01_dataset.ipynb"
@@ -87,7 +88,9 @@ def running(words: str) -> list[str]:
     found = []
     for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if cmdline == words or (proc.info["uids"] and proc.info["uids"].real == grade.STUDENT_UID):
+        if cmdline == words or (
+            proc.info["uids"] and proc.info["uids"].real == sandbox.STUDENT_UID
+        ):
             found.append(f"{proc.info['pid']} {cmdline[:100]}")
     return found
 
