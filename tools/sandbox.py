@@ -41,7 +41,8 @@ STUDENT_UID = 64_911  # the sandbox's account: no name, no home, no group, owns 
 MEMORY_BYTES = 6 * 2**30  # one sandbox (kernel, cluster, everything): a cgroup's limit
 MAX_PROCESSES = 256  # the sandbox account's processes
 CGROUPS = Path("/sys/fs/cgroup")
-HOME = "/home/student"  # inside the sandbox: the submission's scratch folder
+HOME = "/home/student"  # inside the sandbox: the submission's scratch folder, the account's
+NOTEBOOKS = f"{HOME}/notebooks"  # the kernels' folder: a notebook's "../build" is the account's
 KEY_FILE = f"{HOME}/.verdict-key"  # a notebook's key, for its setup code to read and delete
 RESULTS = "/grade-out"  # inside the sandbox: executed notebooks, root's only
 KERNELS = "/grade-kernels"  # inside the sandbox: the kernel spec that starts as the student
@@ -101,7 +102,7 @@ def run_notebook(nb: nbformat.NotebookNode, setup_code: str, timeout: float) -> 
         kernel_name="student",
         record_timing=False,
         shutdown_kernel="immediate",
-        resources={"metadata": {"path": HOME}},
+        resources={"metadata": {"path": NOTEBOOKS}},
         extra_arguments=["--IPKernelApp.log_level=ERROR"],
     )
     stopped = ""
@@ -288,7 +289,7 @@ def build_root(scratch: Path) -> Path:
     mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", str(new))
     shown = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc", "/sys",
              sys.base_prefix, sys.prefix, str(ROOT / "fsdp_lesson"), str(ROOT / "data"),
-             str(ROOT / "tools")]  # fmt: skip
+             str(ROOT / "tools"), str(ROOT / "tests" / "fixtures")]  # fmt: skip
     for source in shown:
         target = new / source.lstrip("/")
         if os.path.islink(source):
@@ -349,7 +350,7 @@ def sandbox_main(fd: int) -> int:
     cluster = None
     for notebook in job["notebooks"]:
         start = time.perf_counter()
-        nb = nbformat.read(Path(HOME) / notebook["file"], as_version=4)
+        nb = nbformat.read(Path(NOTEBOOKS) / notebook["file"], as_version=4)
         note = ""
         if cluster is None and notebook["cluster"]:
             cluster = Cluster(uid, int(timeout * len(job["notebooks"])) + 120)
@@ -408,9 +409,11 @@ def run_sandboxed(
     for place in ("work", "out"):
         shutil.rmtree(scratch / place, ignore_errors=True)
         (scratch / place).mkdir(mode=0o700)
-    os.chown(scratch / "work", uid, uid)
+    (scratch / "work" / "notebooks").mkdir()
+    for folder in (scratch / "work", scratch / "work" / "notebooks"):
+        os.chown(folder, uid, uid)
     for notebook in notebooks:
-        nbformat.write(notebook.nb, scratch / "work" / notebook.file)
+        nbformat.write(notebook.nb, scratch / "work" / "notebooks" / notebook.file)
     code = ["\n".join(c.source for c in n.nb.cells if c.cell_type == "code") for n in notebooks]
     spec = {
         "uid": uid, "timeout": timeout, "scratch": str(scratch),
