@@ -285,6 +285,9 @@ def test_the_sandbox_runs_its_own_cluster_and_ends_what_an_engine_started(tmp_pa
         "pass: correct", "pass: correct", "2/2", "",
     )  # fmt: skip
     assert running("sleep 334") == []
+    executed = nbformat.read(tmp_path / "out" / "graded" / "anna" / "01_mpi.ipynb", as_version=4)
+    connected = "".join(out.get("text", "") for out in executed.cells[1].outputs)
+    assert "using the running cluster of 4 MPI engines" in connected  # the sandbox's, not its own
 
 
 def test_only_signed_verdicts_of_an_exercise_count():

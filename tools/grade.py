@@ -36,6 +36,7 @@ import signal
 import stat
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -499,7 +500,7 @@ def grade_submission(
     scratch: Path,
     graded: Path,
     timeout: float,
-    say,
+    say: Callable[[Result], None],
 ) -> list[Result]:
     """Each notebook of one submission, run in its sandbox; its results (say(result) as each
     is known)."""
@@ -527,21 +528,23 @@ def grade_submission(
         file = f"{len(jobs):03d}.ipynb"
         jobs.append(Job(entry, lesson, sandbox.Notebook(file, restored, key, setup)))
         results.append(result)
+
+    def finished(file: str, line: dict) -> None:
+        job = next(job for job in jobs if job.notebook.file == file)
+        result = next(r for r in results if r.notebook == job.entry.relative)
+        result.note, result.seconds = line["note"], line.get("seconds", 0.0)
+        executed_path = scratch / "out" / file
+        if executed_path.is_file():
+            executed = nbformat.read(executed_path, as_version=4)
+            signed = signed_verdicts(executed, job.notebook.key)
+            result.verdicts = exercises(executed, lessons[job.lesson], signed)
+            out = graded / submission.name / job.entry.relative
+            out.parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(executed, out)
+        say(result)
+
     if jobs:
-        lines = sandbox.run_sandboxed([job.notebook for job in jobs], scratch, timeout)
-        for job in jobs:
-            result = next(r for r in results if r.notebook == job.entry.relative)
-            line = lines[job.notebook.file]
-            result.note, result.seconds = line["note"], line.get("seconds", 0.0)
-            executed_path = scratch / "out" / job.notebook.file
-            if executed_path.is_file():
-                executed = nbformat.read(executed_path, as_version=4)
-                signed = signed_verdicts(executed, job.notebook.key)
-                result.verdicts = exercises(executed, lessons[job.lesson], signed)
-                out = graded / submission.name / job.entry.relative
-                out.parent.mkdir(parents=True, exist_ok=True)
-                nbformat.write(executed, out)
-            say(result)
+        sandbox.run_sandboxed([job.notebook for job in jobs], scratch, timeout, finished)
     shutil.rmtree(scratch / "work", ignore_errors=True)
     shutil.rmtree(scratch / "out", ignore_errors=True)
     return results

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -401,11 +402,16 @@ def remove_cgroups(folders: list[Path]) -> None:
 
 
 def run_sandboxed(
-    notebooks: list[Notebook], scratch: Path, timeout: float, uid: int = STUDENT_UID
-) -> dict[str, dict]:
-    """Run the notebooks in one sandbox (sandbox_main); its line per notebook by file:
-    {"note", "seconds"}, the executed copy in scratch/out/FILE. Whatever happens in there,
-    this returns within the notebooks' time limits, and nothing of it runs on."""
+    notebooks: list[Notebook],
+    scratch: Path,
+    timeout: float,
+    done: Callable[[str, dict], None],
+    uid: int = STUDENT_UID,
+) -> None:
+    """Run the notebooks in one sandbox (sandbox_main); done(file, {"note", "seconds"}) as
+    each ends (its executed copy in scratch/out/FILE), or for each never run. Whatever
+    happens in there, this returns within the notebooks' time limits, and nothing of it
+    runs on."""
     for place in ("work", "out"):
         shutil.rmtree(scratch / place, ignore_errors=True)
         (scratch / place).mkdir(mode=0o700)
@@ -430,7 +436,7 @@ def run_sandboxed(
 
     command = ["unshare", "--pid", "--fork", "--mount", "--net", "--kill-child", "--",
                sys.executable, str(Path(__file__).resolve()), "--sandbox", str(write)]  # fmt: skip
-    lines: dict[str, dict] = {}
+    finished: set[str] = set()
     with open(scratch / "sandbox.log", "wb") as log:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=log,
                                 pass_fds=(write,), preexec_fn=join_cgroups, cwd="/")  # fmt: skip
@@ -451,20 +457,20 @@ def run_sandboxed(
                 if not chunk:
                     break
                 buffer += chunk
-                *done, buffer = buffer.split(b"\n")
-                for raw in done:
+                *lines, buffer = buffer.split(b"\n")
+                for raw in lines:
                     line = json.loads(raw)
-                    lines[line["file"]] = line
+                    finished.add(line["file"])
+                    done(line["file"], line)
     finally:
         proc.kill()  # unshare; --kill-child ends the namespace's first process, and so all
         proc.wait()
         remove_cgroups(groups)
-    if len(lines) < len(notebooks):
-        log_text = (scratch / "sandbox.log").read_text(errors="replace").strip().splitlines()
-        why = log_text[-1][:200] if log_text else "no message"
-        for notebook in notebooks:
-            lines.setdefault(notebook.file, {"note": f"not run: the sandbox ended ({why})"})
-    return lines
+    log_text = (scratch / "sandbox.log").read_text(errors="replace").strip().splitlines()
+    why = log_text[-1][:200] if log_text else "no message"
+    for notebook in notebooks:
+        if notebook.file not in finished:
+            done(notebook.file, {"note": f"not run: the sandbox ended ({why})"})
 
 
 def main(argv: list[str]) -> int:
