@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 import grade  # noqa: E402  (tools/grade.py)
-import sandbox  # noqa: E402  (tools/sandbox.py)
 import student  # noqa: E402  (tools/student.py)
 
 LESSON_01 = ROOT / "notebooks" / "01_dataset.ipynb"
@@ -84,14 +83,11 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 def running(words: str) -> list[str]:
-    """Processes on this machine whose command line is `words`, or of the student's account."""
+    """Processes on this machine whose command line is `words`."""
     found = []
-    for proc in psutil.process_iter(["pid", "cmdline", "uids"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if cmdline == words or (
-            proc.info["uids"] and proc.info["uids"].real == sandbox.STUDENT_UID
-        ):
-            found.append(f"{proc.info['pid']} {cmdline[:100]}")
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if " ".join(proc.info["cmdline"] or []) == words:
+            found.append(f"{proc.info['pid']} {words}")
     return found
 
 
