@@ -2,7 +2,7 @@
 # make test  the whole test suite (unit, MPI, notebooks); leaves no process running
 # make lab   JupyterLab with a 4-engine MPI cluster
 # make student  student copies of the notebooks, solutions replaced by stubs, in build/student/
-# make grade SUBMISSIONS=dir  run a class's notebooks, grade their exercises: build/grades.csv, .md
+# make grade SUBMISSIONS=dir  (root) grade a class's answers, each in a sandbox: build/grades/DIR/
 # make hosts  simulated hosts (no root: a user namespace, private to this checkout), HOSTS=2 x
 #             SLOTS=2 on a BANDWIDTH=1gbit link; then
 #             build/hosts/mpiexec -n 4 python -m fsdp_lesson train ...  (make hosts-down)
@@ -33,10 +33,11 @@ lab: $(VENV)/installed
 student: $(VENV)/installed
 	$(PY) tools/student.py
 
-# TIMEOUT=seconds per notebook (default 900)
+# OUT=folder for this class's grades (default build/grades/<SUBMISSIONS' name>), REPLACE=1 to
+# replace the grades already there, TIMEOUT=seconds per notebook (default 900)
 grade: $(VENV)/installed
-	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder [TIMEOUT=900]" >&2; exit 2; }
-	$(PY) tools/grade.py "$(SUBMISSIONS)" $(if $(TIMEOUT),--timeout $(TIMEOUT))
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder [OUT=folder] [REPLACE=1] [TIMEOUT=900]" >&2; exit 2; }
+	$(PY) tools/grade.py "$(SUBMISSIONS)" $(if $(OUT),--out "$(OUT)") $(if $(REPLACE),--replace) $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
 HOSTS ?= 2
 SLOTS ?= 2

@@ -1,20 +1,23 @@
-"""make grade (tools/grade.py): submissions run on a real 4-engine MPI cluster, verdicts collected.
+"""make grade (tools/grade.py): answers run in the teacher's notebooks, each submission in a
+sandbox of its own, graded on the verdicts the checkers sign.
 
-Two runs of the real command, each with a cluster of its own in a temporary IPython directory
-(LESSON_IPYTHONDIR), never make run/test's build/ipython:
-  * right (the teacher's 01 and 02), wrong (student copies: one answer wrong, the rest stubs),
-    crash (a cell that raises mid-way) and a notebook that checks it runs on the grading cluster;
-  * with a short time limit: a notebook that outlasts it, and one that leaves the engines busy.
+Two runs of the real command (as root: the sandbox needs it):
+  * on notebook 01: right (the teacher's), wrong (a wrong answer, a stub), forged (prints every
+    verdict, edits the checker's line, adds a cell), hostile (tries to rewrite another
+    submission, read the teacher's notebook, reach the network, leave a detached `sleep`, kill
+    the grader's parent and every process it can), and two links (to /etc/shadow, to another
+    student's notebook), each graded on its own;
+  * on a one-exercise lesson of our own (--lessons) that uses the sandbox's MPI cluster: the
+    engines run as the student's account, and a process started on one is gone afterwards.
 """
 
 import csv
 import hashlib
 import os
 import shutil
-import signal
+import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -30,14 +33,14 @@ sys.path.insert(0, str(ROOT / "tools"))
 import grade  # noqa: E402  (tools/grade.py)
 import student  # noqa: E402  (tools/student.py)
 
-LESSONS = [ROOT / "notebooks" / "01_dataset.ipynb", ROOT / "notebooks" / "02_single_rank_mlp.ipynb"]
+LESSON_01 = ROOT / "notebooks" / "01_dataset.ipynb"
 STUB = "None  # YOUR CODE HERE"
 N_ROWS_HINT = "count the tokens of a name, the boundary included"
 RANK_HINT = "rank r keeps the rows b with b % N == r"
-MPIEXEC = shutil.which(
-    "mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="the grading sandbox needs root and unshare",
 )
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec: the grading cluster needs MPI")
 
 
 def cell_with(nb: nbformat.NotebookNode, text: str) -> int:
@@ -53,68 +56,17 @@ def answer(nb: nbformat.NotebookNode, exercise: str, code: str) -> None:
     cell.source = cell.source.replace(STUB, code)
 
 
-def notebook(*sources: str) -> nbformat.NotebookNode:
-    nb = new_notebook(
-        cells=[new_code_cell(s) if s[0] != "#" else new_markdown_cell(s) for s in sources]
-    )
-    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    return nb
+def student_copy(folder: Path) -> tuple[Path, nbformat.NotebookNode]:
+    (path,) = student.write_student_copies([LESSON_01], folder)
+    return path, nbformat.read(path, as_version=4)
 
 
-ON_THE_CLUSTER = """\
-from fsdp_lesson import checks
-from fsdp_lesson.checks import check
-from fsdp_lesson.cluster import connect
-
-checks.STRICT = False
-ranks = connect(n=4)"""
-CHECK_CLUSTER = """\
-import os
-from mpi4py import MPI
-
-check("the grading cluster", [ranks.cluster is None, os.environ["IPYTHONDIR"]], [True, {ipython!r}])
-check("one MPI world", ranks.run(lambda: (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)),
-      [(r, 4) for r in range(4)])"""
-
-
-def run_grade(
-    folder: Path, out: Path, ipython: Path, timeout: float
-) -> subprocess.CompletedProcess:
-    """python tools/grade.py folder as make grade runs it; SIGTERM (which stops its cluster) if
-    it takes too long, so that even a failing test leaves nothing running."""
-    env = os.environ | {"LESSON_IPYTHONDIR": str(ipython)}
+def run_grade(folder: Path, out: Path, *options: str) -> subprocess.CompletedProcess:
+    """python tools/grade.py folder --out out, as make grade runs it."""
     command = [sys.executable, str(ROOT / "tools" / "grade.py"), str(folder), "--out", str(out)]
-    with subprocess.Popen(
-        [*command, "--timeout", str(timeout)], cwd=ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    ) as proc:  # fmt: skip
-        try:
-            stdout, stderr = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            stdout, stderr = proc.communicate(timeout=120)
-            pytest.fail(f"grade.py took more than 600 s:\n{stdout}\n{stderr}")
-    assert proc.returncode == 0, f"{stdout}\n{stderr}"
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
-def processes_of(ipython: Path) -> list[str]:
-    """Processes (controller, engines, mpiexec, kernels) started with this IPython directory."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if proc.environ().get("IPYTHONDIR") == str(ipython):
-                found.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
-
-def no_process_left(ipython: Path) -> list[str]:
-    deadline = time.monotonic() + 10
-    while (left := processes_of(ipython)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
+    return subprocess.run(
+        [*command, *options], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 def read_grades(out: Path) -> dict[tuple[str, str], dict[str, str]]:
@@ -126,241 +78,288 @@ def digest(folder: Path) -> dict[str, str]:
     return {
         str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(folder.rglob("*"))
-        if path.is_file()
+        if path.is_file() and not path.is_symlink()
     }
+
+
+def running(words: str) -> list[str]:
+    """Processes on this machine whose command line is `words`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if " ".join(proc.info["cmdline"] or []) == words:
+            found.append(f"{proc.info['pid']} {words}")
+    return found
+
+
+HOSTILE_N_ROWS = """\
+import os, signal, socket, subprocess
+held = []
+for path in ({right!r}, {teacher!r}, {folder!r}):
+    held.append(not os.path.exists(path))          # another submission, the teacher's, the class
+    try:
+        open(path, "a").write("vandalised")
+        held.append(False)
+    except OSError:
+        pass
+for address in (("127.0.0.1", {port}), ("1.1.1.1", 53)):  # the grader's loopback, the world
+    try:
+        socket.create_connection(address, timeout=3).close()
+        held.append(False)
+    except OSError:
+        pass
+held.append(os.getuid() != 0)
+subprocess.Popen(["sleep", "333"], start_new_session=True)
+for pid in (os.getppid(), 1):                      # the kernel's parent, the grader's
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+return L + 1 if all(held) else None"""
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """One grading run over right/, wrong/, crash/ and cluster.ipynb: (rows, md, stdout, ...)."""
-    if MPIEXEC is None:
-        pytest.skip("no mpiexec: the grading cluster needs MPI")
+    """One grading run over right/, wrong/, forged/, hostile/ and two links."""
     tmp = tmp_path_factory.mktemp("grade")
-    folder, ipython = tmp / "submissions", tmp / "ipython"
+    os.chmod(tmp, 0o755)
+    folder, out = tmp / "submissions", tmp / "out"
     (folder / "right").mkdir(parents=True)
-    for path in LESSONS:  # the teacher's solutions, as committed
-        shutil.copy(path, folder / "right" / path.name)
-    wrong_01, _ = student.write_student_copies(LESSONS, folder / "wrong")
-    nb = nbformat.read(wrong_01, as_version=4)
+    right = folder / "right" / LESSON_01.name
+    shutil.copy(LESSON_01, right)  # the teacher's solutions, as committed
+    path, nb = student_copy(folder / "wrong")
     answer(nb, "def n_rows(L):", "L  # the boundary forgotten")  # wrong; rank 2 of 8 unsolved
-    nbformat.write(nb, wrong_01)
-    (crash_01,) = student.write_student_copies(LESSONS[:1], folder / "crash")
-    nb = nbformat.read(crash_01, as_version=4)
-    answer(nb, "def n_rows(L):", "L + 1")
-    answer(nb, "rows_of_rank_2 =", "list(range(2, 32, 8))")
-    boom = cell_with(nb, "def n_rows(L):") + 1
-    nb.cells.insert(boom, new_code_cell('raise RuntimeError("boom")'))
-    nbformat.write(nb, crash_01)
-    nbformat.write(
-        notebook(ON_THE_CLUSTER, CHECK_CLUSTER.format(ipython=str(ipython))),
-        folder / "cluster.ipynb",
-    )
+    nbformat.write(nb, path)
+    path, nb = student_copy(folder / "forged")  # unsolved, every verdict printed by hand
+    forged_line = 'print("✓ n_rows: correct")\nprint("✓ rank 2 of 8: correct")'
+    answer(nb, "rows_of_rank_2 =", f"None\n{forged_line}")
+    n_rows = nb.cells[cell_with(nb, "def n_rows(L):")]
+    n_rows.source = n_rows.source.split("_ = check(")[0] + forged_line  # the checker edited
+    nb.cells.append(new_code_cell(forged_line))  # and a cell of its own
+    nbformat.write(nb, path)
+    path, nb = student_copy(folder / "hostile")
+    listening = socket.create_server(("127.0.0.1", 0))  # on this machine's loopback
+    paths = {"right": str(right), "teacher": str(LESSON_01), "folder": str(folder),
+             "port": listening.getsockname()[1]}  # fmt: skip
+    body = "\n".join("    " + line for line in HOSTILE_N_ROWS.format(**paths).splitlines())
+    n_rows = nb.cells[cell_with(nb, "def n_rows(L):")]
+    n_rows.source = n_rows.source.replace("    return None  # YOUR CODE HERE", body)
+    kill_all = "[__import__('os').kill(pid, 9) for pid in (-1, __import__('os').getpid())]"
+    answer(nb, "rows_of_rank_2 =", f"list(range(2, 32, 8))\n{kill_all}")
+    nb.cells.insert(1, new_code_cell("import os, signal"))  # its own cell: not run
+    nbformat.write(nb, path)
+    (folder / "shadow").mkdir()
+    (folder / "shadow" / LESSON_01.name).symlink_to("/etc/shadow")
+    (folder / "copier").mkdir()
+    (folder / "copier" / "copied.ipynb").symlink_to(f"../right/{LESSON_01.name}")
     before = digest(folder)
-    out = tmp / "build"
-    done = run_grade(folder, out, ipython, timeout=300)
+    lessons = tmp / "lessons"  # 01 cut to its imports and exercises: the same checkers, faster
+    lessons.mkdir()
+    teacher = nbformat.read(LESSON_01, as_version=4)
+    keep = {
+        1,
+        *(i + d for i, c in enumerate(teacher.cells) if student.BEGIN in c.source for d in (-1, 0)),
+    }
+    teacher.cells = [cell for i, cell in enumerate(teacher.cells) if i in keep]
+    nbformat.write(teacher, lessons / LESSON_01.name)
+    with listening:
+        done = run_grade(folder, out, "--timeout", "120", "--lessons", str(lessons))
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     return {
         "rows": read_grades(out),
-        "md": (out / "grades.md").read_text(encoding="utf-8"),
+        "text": (out / "grades.csv").read_text() + (out / "grades.md").read_text(),
         "stdout": done.stdout,
         "out": out,
         "folder": folder,
         "unchanged": digest(folder) == before,
-        "left": no_process_left(ipython),
-        "boom": boom + 1,  # cell numbers count from 1
+        "left": running("sleep 333"),
     }
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_the_teachers_solutions_pass_every_exercise(graded):
-    rows = graded["rows"]
-    assert rows["right", "01_dataset.ipynb"]["n_rows"] == "pass: correct"
-    assert rows["right", "01_dataset.ipynb"]["rank 2 of 8"] == "pass: correct"
-    assert rows["right", "02_single_rank_mlp.ipynb"]["count_params"] == "pass: correct"
-    assert rows["right", "02_single_rank_mlp.ipynb"]["relu_backward"] == "pass: correct"
-    for notebook_name in ("01_dataset.ipynb", "02_single_rank_mlp.ipynb"):
-        assert rows["right", notebook_name]["total"] == "2/2"
-        assert rows["right", notebook_name]["note"] == ""
-        assert (
-            rows["right", notebook_name]["the grading cluster"] == ""
-        )  # another notebook's column
-
-
-@pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_a_wrong_answer_fails_with_its_message_and_a_stub_is_not_solved_yet(graded):
-    rows = graded["rows"]
-    wrong = rows["wrong", "01_dataset.ipynb"]
+@as_root
+@pytest.mark.timeout(600)
+def test_the_teachers_solutions_pass_and_a_wrong_answer_fails_with_its_message(graded):
+    right = graded["rows"]["right", LESSON_01.name]
+    assert (right["n_rows"], right["rank 2 of 8"], right["total"], right["note"]) == (
+        "pass: correct", "pass: correct", "2/2", "",
+    )  # fmt: skip
+    wrong = graded["rows"]["wrong", LESSON_01.name]
     assert wrong["n_rows"] == f"fail: item 0: one too few (and 2 more) — {N_ROWS_HINT}"
     assert wrong["rank 2 of 8"] == f"fail: {NOT_SOLVED} — {RANK_HINT}"
-    assert (wrong["total"], wrong["note"]) == ("0/2", "")
-    stubs = rows["wrong", "02_single_rank_mlp.ipynb"]
-    assert stubs["count_params"].startswith(f"fail: {NOT_SOLVED}")
-    assert stubs["relu_backward"].startswith(f"fail: {NOT_SOLVED}")
-    assert stubs["total"] == "0/2"
+    assert wrong["total"] == "0/2"
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_a_cell_that_raises_is_named_and_the_exercises_after_it_still_count(graded):
-    crash = graded["rows"]["crash", "01_dataset.ipynb"]
-    assert crash["note"] == (
-        f"cell {graded['boom']} ('raise RuntimeError(\"boom\")') raised RuntimeError: boom"
-    )
-    assert (crash["n_rows"], crash["rank 2 of 8"], crash["total"]) == (
-        "pass: correct",
-        "pass: correct",
-        "2/2",
-    )
+@as_root
+@pytest.mark.timeout(600)
+def test_a_printed_verdict_earns_nothing(graded):
+    forged = graded["rows"]["forged", LESSON_01.name]
+    assert forged["n_rows"] == f"fail: {NOT_SOLVED} — {N_ROWS_HINT}"  # the checker restored
+    assert forged["rank 2 of 8"] == f"fail: {NOT_SOLVED} — {RANK_HINT}"
+    assert forged["total"] == "0/2"
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_notebooks_connect_to_the_grading_cluster_as_one_mpi_world(graded):
-    row = graded["rows"]["cluster", "cluster.ipynb"]  # a file directly in SUBMISSIONS
-    assert (row["the grading cluster"], row["one MPI world"]) == ("pass: correct",) * 2
-    assert (row["total"], row["note"]) == ("2/2", "")
+@as_root
+@pytest.mark.timeout(600)
+def test_links_are_refused_by_name_and_never_read(graded):
+    shadow = graded["rows"]["shadow", LESSON_01.name]
+    assert (shadow["total"], shadow["note"]) == ("0/2", "refused: a symbolic link, not read")
+    copier = graded["rows"]["copier", "copied.ipynb"]
+    assert copier["note"] == "refused: a symbolic link, not read"
+    assert (copier["n_rows"], copier["total"]) == ("", "0/0")  # no lesson's name: nothing read
+    assert "root:" not in graded["text"]
+    assert "/6] shadow / 01_dataset.ipynb: refused: a symbolic link, not read" in graded["stdout"]
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_the_report_has_a_table_per_lesson_and_nothing_is_left_behind(graded):
-    md = graded["md"]
-    assert "| crash | 2/2 | — | — | 2/2 |" in md  # summary: 01, 02, cluster.ipynb, total
-    assert "| right | 2/2 | 2/2 | — | 4/4 |" in md
-    assert "| wrong | 0/2 | 0/2 | — | 0/4 |" in md
-    assert "| submission | notebook | n_rows | rank 2 of 8 | total | note |" in md
-    assert (
-        f"| wrong | 01_dataset.ipynb | fail: item 0: one too few (and 2 more) — {N_ROWS_HINT} | "
-        f"fail: {NOT_SOLVED} — {RANK_HINT} | 0/2 |  |"
-    ) in md
-    assert len(graded["rows"]) == 6
-    assert graded["unchanged"], "grade.py changed the submissions"
-    executed = nbformat.read(graded["out"] / "graded" / "right" / "01_dataset.ipynb", 4)
-    n_rows_cell = executed.cells[cell_with(executed, "def n_rows")]
-    assert grade.verdict_lines(n_rows_cell) == [("n_rows", True, "correct")]  # the executed copy
+@as_root
+@pytest.mark.timeout(600)
+def test_a_hostile_submission_changes_no_grade_but_its_own(graded):
+    hostile = graded["rows"]["hostile", LESSON_01.name]
+    # n_rows passes only if the sandbox held: no other submission, teacher's notebook or class
+    # folder seen or written, neither the machine's loopback nor the world reached, not root
+    # (and the kill of its parents refused)
+    assert hostile["n_rows"] == "pass: correct", hostile["note"]
+    assert hostile["rank 2 of 8"] == "fail: not reached"  # it killed its own kernel
+    assert "the kernel died" in hostile["note"]
+    assert graded["unchanged"], "a submission was changed"
     assert graded["left"] == [], f"left running: {graded['left']}"
-    assert "cluster stopped" in graded["stdout"]
+    right = graded["rows"]["right", LESSON_01.name]  # graded after it
+    assert right["total"] == "2/2"
 
 
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
-    """A run with a 25 s limit: a notebook that leaves the engines busy when it is stopped,
-    one after it (on the restarted engines), and 01 with a cell that sleeps past the limit."""
-    if MPIEXEC is None:
-        pytest.skip("no mpiexec: the grading cluster needs MPI")
-    tmp = tmp_path_factory.mktemp("stopped")
-    folder, ipython, out = tmp / "submissions", tmp / "ipython", tmp / "build"
-    folder.mkdir()
-    busy = notebook(ON_THE_CLUSTER, "import time\n\nranks.run(time.sleep, 600)", 'check("x", 1, 1)')
-    nbformat.write(busy, folder / "1_busy.ipynb")
-    after = notebook(ON_THE_CLUSTER, CHECK_CLUSTER.format(ipython=str(ipython)))
-    nbformat.write(after, folder / "2_after.ipynb")
-    (slow_01,) = student.write_student_copies(LESSONS[:1], folder / "3_slow")
-    nb = nbformat.read(slow_01, as_version=4)
-    answer(nb, "def n_rows(L):", "L + 1")
-    answer(nb, "rows_of_rank_2 =", "list(range(2, 32, 8))")
-    sleep = cell_with(nb, "rows_of_rank_2 =")
-    nb.cells.insert(sleep, new_code_cell("import time\n\ntime.sleep(600)"))
-    nbformat.write(nb, slow_01)
-    start = time.monotonic()
-    done = run_grade(folder, out, ipython, timeout=25)
-    return {
-        "rows": read_grades(out),
-        "seconds": time.monotonic() - start,
-        "stdout": done.stdout,
-        "left": no_process_left(ipython),
-        "sleep": sleep + 1,
-    }
+@as_root
+@pytest.mark.timeout(600)
+def test_progress_is_k_of_n_and_a_second_class_needs_its_own_out(graded):
+    lines = [line for line in graded["stdout"].splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == [f"[{k}/6" for k in range(1, 7)]
+    done = run_grade(graded["folder"], graded["out"])
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"make grade: {graded['out']} already holds a class's grades")
+    assert (graded["out"] / "graded" / "right" / LESSON_01.name).is_file()
 
 
+LESSON_MPI = [
+    "# 01 · one MPI world",
+    "from fsdp_lesson.checks import check\nfrom fsdp_lesson.cluster import connect\n\n"
+    "ranks = connect(n=4)",
+    "## Exercise",
+    "### BEGIN SOLUTION\nworld = ranks.run(lambda: __import__('mpi4py.MPI').MPI.COMM_WORLD.size)\n"
+    "### END SOLUTION\n\n_ = check('one MPI world', world, [4, 4, 4, 4])\n"
+    "_ = check('engines not root', [uid != 0 for uid in ranks.run(os.getuid)], [True] * 4)",
+]
+
+
+@as_root
 @pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_a_notebook_past_its_time_limit_scores_what_it_reached(stopped):
-    slow = stopped["rows"]["3_slow", "01_dataset.ipynb"]
-    assert slow["note"] == f"stopped at cell {stopped['sleep']} ('import time'): time limit of 25 s"
-    assert (slow["n_rows"], slow["rank 2 of 8"], slow["total"]) == (
-        "pass: correct",
-        "fail: not reached",
-        "1/2",
+@pytest.mark.timeout(600)
+def test_the_sandbox_runs_its_own_cluster_and_ends_what_an_engine_started(tmp_path):
+    os.chmod(tmp_path, 0o755)
+    lessons, folder = tmp_path / "lessons", tmp_path / "submissions"
+    lessons.mkdir()
+    cells = [
+        new_markdown_cell(s) if i % 2 == 0 else new_code_cell(s) for i, s in enumerate(LESSON_MPI)
+    ]
+    cells[1].source = "import os\n" + cells[1].source
+    cells[3].outputs = [
+        new_output("stream", name="stdout", text="✓ one MPI world: correct\n"),
+        new_output("stream", name="stdout", text="✓ engines not root: correct\n"),
+    ]
+    teacher = new_notebook(cells=cells)
+    teacher.metadata.kernelspec = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(teacher, lessons / "01_mpi.ipynb")
+    (folder / "anna").mkdir(parents=True)
+    submitted = student.student_copy(teacher, "01_mpi")
+    cell = submitted.cells[cell_with(submitted, "world =")]
+    cell.source = cell.source.replace(
+        "world = None  # YOUR CODE HERE",
+        "world = ranks.run(lambda: (__import__('subprocess').Popen(['sleep', '334'], "
+        "start_new_session=True), __import__('mpi4py.MPI').MPI.COMM_WORLD.size)[1])",
     )
+    nbformat.write(submitted, folder / "anna" / "01_mpi.ipynb")
+    done = run_grade(folder, tmp_path / "out", "--lessons", str(lessons), "--timeout", "180")
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    row = read_grades(tmp_path / "out")["anna", "01_mpi.ipynb"]
+    assert (row["one MPI world"], row["engines not root"], row["total"], row["note"]) == (
+        "pass: correct", "pass: correct", "2/2", "",
+    )  # fmt: skip
+    assert running("sleep 334") == []
+    executed = nbformat.read(tmp_path / "out" / "graded" / "anna" / "01_mpi.ipynb", as_version=4)
+    connected = "".join(out.get("text", "") for out in executed.cells[1].outputs)
+    assert "using the running cluster of 4 MPI engines" in connected  # the sandbox's, not its own
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_engines_left_busy_are_restarted_for_the_next_notebook(stopped):
-    busy = stopped["rows"]["1_busy", "1_busy.ipynb"]
-    assert busy["note"] == (
-        "stopped at cell 2 ('import time'): time limit of 25 s; the engines were restarted after it"
-    )
-    after = stopped["rows"]["2_after", "2_after.ipynb"]
-    assert (after["the grading cluster"], after["one MPI world"], after["note"]) == (
-        "pass: correct",
-        "pass: correct",
-        "",
-    )
-    assert stopped["left"] == [], f"left running: {stopped['left']}"
-    assert stopped["stdout"].count("starting a local cluster") == 2  # the start and the restart
+def test_only_signed_verdicts_of_an_exercise_count():
+    """A verdict counts when it carries the run's signature, numbered in order, in its
+    exercise's region; a printed line, a bad signature and a replayed number do not."""
+    key = b"k" * 32
 
-
-def test_only_the_exercises_verdicts_count():
-    """Verdicts from an exercise cell on to the next markdown cell count, matched to the
-    teacher's exercises by cell id (else in order); the prose's checks and claims do not."""
-
-    def printed(text, source="x = 1", **kw):
-        return new_code_cell(source, outputs=[new_output("stream", name="stdout", text=text)], **kw)
+    def signed(number, line, mac=None):
+        data = {"n": number, "line": line, "mac": mac or grade.signature(key, number, line)}
+        return new_output("display_data", data={grade.VERDICT_MIME: data})
 
     nb = new_notebook(
         cells=[
-            printed("✓ K=1: every category: correct\n"),  # the prose's check
+            new_code_cell("x = 1", outputs=[signed(1, "✓ K=1: the prose's check")]),
             new_markdown_cell("## Exercise 1"),
-            printed("✓ f: correct\n", "f = 1  # answered", id="ex-f"),
-            printed("✗ g: too large — a hint\n  (details)\n"),
-            new_markdown_cell("Prose."),
-            printed("✓ zero3: the line\n✗ claim does not hold: dp: above\n"),
+            new_code_cell("f = 1", id="ex-f", outputs=[
+                new_output("stream", name="stdout", text="✓ g: correct\n"),  # printed
+                signed(2, "✓ f: correct"),
+                signed(3, "✓ g: correct", mac="0" * 64),  # forged
+                signed(2, "✓ h: correct"),  # replayed number
+            ]),
+            new_code_cell("check_g()", outputs=[signed(4, "✗ g: too large — a hint")]),
             new_markdown_cell("## Exercise 2"),
-            printed("✗ h: not solved yet\n", "h = None  # YOUR CODE HERE", id="ex-h"),
-            new_markdown_cell("## Exercise 3"),  # the cell pasted anew (another id); the stub's
-            printed("✗ sent bytes: not solved yet\n", "k = None  # YOUR CODE HERE"),  # name
+            new_code_cell("h = None", id="ex-h",
+                          outputs=[signed(5, "✗ sent bytes: not solved yet")]),
         ]
-    )
-    teacher = grade.Lesson(
-        [("ex-f", ["f", "g"]), ("ex-h", ["h", "h2"]), ("ex-k", ["K=2", "K=3"]), ("ex-z", ["z"])]
-    )
-    assert grade.exercises(nb, teacher) == {  # z: never printed (not reached)
+    )  # fmt: skip
+    lesson = grade.Lesson(nb, [("ex-f", ["f", "g"]), ("ex-h", ["h", "h2"]), ("ex-z", ["z"])])
+    verdicts = grade.signed_verdicts(nb, key)
+    assert grade.exercises(nb, lesson, verdicts) == {  # z: never said (not reached)
         "f": (True, "correct"),
         "g": (False, "too large — a hint"),
-        "h": (False, "not solved yet"),
-        "h2": (False, "h: not solved yet"),  # its checker stopped at h's failure
-        "K=2": (False, "sent bytes: not solved yet"),
-        "K=3": (False, "sent bytes: not solved yet"),
+        "h": (False, "sent bytes: not solved yet"),
+        "h2": (False, "sent bytes: not solved yet"),
     }
-    assert grade.exercises(nb, grade.Lesson([])) == {  # no lesson: the stubs mark exercises
-        "h": (False, "not solved yet"),
-        "sent bytes": (False, "not solved yet"),
-    }
-    for cell in nb.cells:
-        cell.source = "x = 1"
-    assert list(grade.exercises(nb, grade.Lesson([]))) == [
-        "K=1",
-        "f",
-        "g",
-        "zero3",
-        "h",
-        "sent bytes",
-    ]
+    assert all(grade.VERDICT_MIME not in str(cell.get("outputs")) for cell in nb.cells)
 
 
-def test_submissions_are_folders_or_single_notebooks(tmp_path):
+def test_answers_are_restored_into_the_teachers_cell():
+    """Only the code between the markers comes from the submission; an edited checker line
+    stays an answer line, and the teacher's checker still follows it."""
+    teacher = "def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n\ncheck(f)"
+    same, lines = grade.restored_cell(teacher, "def f(x):\n    return 2 * x\n\ncheck(f)")
+    assert (same, lines) == ("def f(x):\n    return 2 * x\n\ncheck(f)", [1, 3, 4])
+    edited, _ = grade.restored_cell(teacher, "def f(x):\n    return 2\n\nprint('✓ f: correct')")
+    assert edited == "def f(x):\n    return 2\n\nprint('✓ f: correct')\n\ncheck(f)"
+    missing, _ = grade.restored_cell(teacher, None)
+    assert missing == "def f(x):\n    return None  # YOUR CODE HERE\n\ncheck(f)"
+
+
+def test_submissions_are_folders_or_single_notebooks_and_links_are_listed_not_followed(
+    tmp_path,
+):
     for path in ["anna/01.ipynb", "anna/extra/02.ipynb", "anna/.ipynb_checkpoints/01-c.ipynb",
                  "bob.ipynb", "empty/notes.txt", ".hidden/x.ipynb"]:  # fmt: skip
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("{}")
+    (tmp_path / "anna" / "shadow.ipynb").symlink_to("/etc/shadow")
+    (tmp_path / "anna" / "linked").symlink_to(tmp_path / "empty")
+    (tmp_path / "carl.ipynb").symlink_to(tmp_path / "bob.ipynb")
+    os.mkfifo(tmp_path / "anna" / "pipe.ipynb")
     found = grade.find_submissions(tmp_path)
-    assert [(s.name, [str(n) for n in s.notebooks], s.per_file) for s in found] == [
-        ("anna", ["01.ipynb", "extra/02.ipynb"], False),
-        ("bob", ["bob.ipynb"], True),
-    ]
+    assert [(s.name, [(e.relative, e.refused) for e in s.entries]) for s in found] == [
+        ("anna", [("01.ipynb", ""), ("extra/02.ipynb", ""),
+                  ("linked", "refused: a symbolic link, not read"),
+                  ("pipe.ipynb", "refused: not a regular file, not read"),
+                  ("shadow.ipynb", "refused: a symbolic link, not read")]),
+        ("bob", [("bob.ipynb", "")]),
+        ("carl", [("carl.ipynb", "refused: a symbolic link, not read")]),
+    ]  # fmt: skip
+    os.link(tmp_path / "bob.ipynb", tmp_path / "anna" / "hard.ipynb")
+    with pytest.raises(grade.Unreadable, match="a hard link"):
+        grade.read_submitted(tmp_path / "anna" / "hard.ipynb")
+    (tmp_path / "dan.ipynb").write_text("root:*:20228:0:::")
+    with pytest.raises(grade.Unreadable, match=r"^not a readable notebook \(\w+\)$"):
+        grade.read_submitted(tmp_path / "dan.ipynb")
 
 
 @pytest.mark.parametrize("make", [lambda d: d / "missing", lambda d: d])
@@ -372,4 +371,4 @@ def test_a_folder_without_notebooks_is_refused_at_once(tmp_path, make):
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.startswith(f"make grade: {folder} ")
-    assert "starting" not in done.stdout
+    assert "grading" not in done.stdout

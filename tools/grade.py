@@ -1,69 +1,116 @@
-"""Grade a class: run every submitted notebook on one local 4-engine MPI cluster, collect the
-exercise checkers' verdicts, write build/grades.csv and build/grades.md.
+"""Grade a class: each submission's answers run inside the teacher's notebooks, in a sandbox
+of its own, graded on what the package's checkers computed: OUT/grades.csv and OUT/grades.md.
 
-    python tools/grade.py SUBMISSIONS [--timeout 900] [--out build]     (make grade SUBMISSIONS=dir)
+    python tools/grade.py SUBMISSIONS [--out DIR] [--timeout 900] [--replace] [--lessons DIR]
+    make grade SUBMISSIONS=dir [OUT=dir] [TIMEOUT=900] [REPLACE=1]
 
 SUBMISSIONS holds one folder per learner (every *.ipynb under it, at any depth, is that
 learner's) and/or notebooks directly in it (each file is a submission of its own). Nothing in
-SUBMISSIONS is changed: each submission is copied to a scratch folder and its notebooks run
-there, one at a time, top to bottom in a fresh kernel, going on after a cell that raises, each
-within --timeout seconds (kernel start included). The executed copies go to OUT/graded/.
+it is changed. A link or anything but a regular file is refused by name, never read.
 
-A verdict is a line `✓ NAME: message` or `✗ NAME: message` that a cell prints. An exercise's
-verdicts are those printed from its cell (the one with the solution markers, or its stub, or a
-cell with the same id as the teacher's) through the code cells that follow, up to the next
-markdown cell; the teacher's notebook of the same name (notebooks/) lists what to expect, so a
-verdict never printed counts as "not reached". The prose's own checks are not graded. A
-notebook matching no lesson and holding no exercise cell is graded on all its verdicts.
+What runs (docs/teaching.md, "Grading a class", says why): the teacher's notebook of the same
+name (notebooks/), every cell restored from it, with only the code between each exercise's
+solution markers taken from the submission (a student's own cells and edits elsewhere are not
+run). A verdict counts only when the package's checker or a teacher's line prints it: the
+kernel signs those with a key per notebook that never appears in any cell, and the grader
+keeps only signed verdicts from an exercise's region (its cell through the code cells after
+it, up to the next markdown cell). Printed text earns nothing.
 
-One cluster serves the whole run (its own IPython directory, build/ipython-grade, or
-$LESSON_IPYTHONDIR): the notebooks' connect(n=4) uses it. Between notebooks the engines'
-namespaces are cleared; engines that no longer answer (a notebook stopped while they were
-still busy, or one died) are restarted. The cluster is stopped at the end, on an error and on
-Ctrl-C or SIGTERM.
+Where it runs: each submission in a sandbox of its own (tools/sandbox.py: namespaces, a root
+holding only the Python, the package and its data, an account with no rights, limits, its own
+MPI cluster when a notebook needs one); nothing it started outlives its grading.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import math
+import hashlib
+import hmac
+import json
 import os
 import re
+import secrets
 import shutil
 import signal
+import stat
 import sys
 import tempfile
-import time
-from contextlib import ExitStack
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+import sandbox  # tools/, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
-TEACHER_NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-OUT = ROOT / "build"
-IPYTHON_DIR = ROOT / "build" / "ipython-grade"  # apart from make run/test's build/ipython
+LESSONS = ROOT / "notebooks"
+OUT = ROOT / "build" / "grades"  # OUT/<the submissions folder's name> unless --out
 TIMEOUT = 900  # seconds per notebook
-HEALTH_TIMEOUT = 30  # seconds for the engines to clear their namespaces and answer
-BUSY_GRACE = 5  # seconds a notebook's last task may still run on the engines after it ended
-N_ENGINES = 4
+MAX_NOTEBOOK_BYTES = 20 * 2**20
+VERDICT_MIME = "application/vnd.fsdp-lesson.verdict+json"
 
 VERDICT = re.compile(r"^([✓✗]) (.+?):(?: (.*))?$")
 CLAIM = "claim does not hold"  # a prose claim's failure line: never an exercise
 SOLUTION_MARKERS = ("### BEGIN SOLUTION", "# YOUR CODE HERE")  # teacher's and student's cells
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 SKIP_DIRS = {".ipynb_checkpoints", "__pycache__"}
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+# Run silently (store_history=False) in each kernel before the first cell. The key is read
+# from a file the kernel deletes at once, so it is in no cell, no history and no message.
+# Every print whose caller (outside fsdp_lesson) is one of the teacher's lines, by cell and line
+# number, also publishes each ✓/✗ line with its HMAC; nothing else is signed.
+CHANNEL = r"""
+def _grade_channel(key_file, allowed, mime):
+    import builtins, hashlib, hmac, linecache, os, sys
+    from IPython.display import publish_display_data
+    from fsdp_lesson import checks
+    with open(key_file, "rb") as f:
+        key = f.read()
+    os.unlink(key_file)
+    checks.STRICT = False
+    allowed = {digest: frozenset(lines) for digest, lines in allowed.items()}
+    real_print, sent = builtins.print, [0]
+
+    def the_teachers(frame):
+        while frame is not None and str(frame.f_globals.get("__name__")).startswith("fsdp_lesson"):
+            frame = frame.f_back
+        if frame is None:
+            return False
+        text = "".join(linecache.getlines(frame.f_code.co_filename)).rstrip()
+        return frame.f_lineno in allowed.get(hashlib.sha256(text.encode()).hexdigest(), ())
+
+    def print(*args, sep=" ", end="\n", file=None, flush=False):
+        real_print(*args, sep=sep, end=end, file=file, flush=flush)
+        if file not in (None, sys.stdout) or not the_teachers(sys._getframe(1)):
+            return
+        for line in (" " if sep is None else sep).join(map(str, args)).splitlines():
+            if line.startswith(("✓ ", "✗ ")):
+                sent[0] += 1
+                mac = hmac.new(key, f"{sent[0]}\0{line}".encode(), "sha256").hexdigest()
+                publish_display_data({mime: {"n": sent[0], "line": line, "mac": mac}})
+
+    builtins.print = print
+
+
+_grade_channel(%r, %r, %r)
+del _grade_channel
+"""
+
+
+@dataclass
+class Entry:
+    """One notebook of a submission: where it is, and why it is not read (or "")."""
+
+    relative: str
+    path: Path
+    refused: str = ""
 
 
 @dataclass
 class Submission:
     name: str
-    root: Path  # the learner's folder (a per-file submission: SUBMISSIONS itself)
-    notebooks: list[Path]  # relative to root
-    per_file: bool = False  # a notebook directly in SUBMISSIONS: only it is copied
+    entries: list[Entry]
 
 
 Verdict = tuple[str, bool, str]  # (name, passed, message)
@@ -71,9 +118,10 @@ Verdict = tuple[str, bool, str]  # (name, passed, message)
 
 @dataclass
 class Lesson:
-    """A teacher's notebook's exercises: (the solution cell's id, the verdict names its
-    region prints), in order."""
+    """A teacher's notebook and its exercises: (the solution cell's id, the verdict names its
+    region prints in the committed outputs), in order."""
 
+    notebook: nbformat.NotebookNode
     exercises: list[tuple[str | None, list[str]]]
 
     @property
@@ -91,60 +139,148 @@ class Result:
     seconds: float = 0.0
 
 
+class Unreadable(ValueError):
+    """A submitted notebook that is not read or cannot be; the message says why, never quoting
+    the file."""
+
+
 # ---------------------------------------------------------------------------------------------
-# Finding submissions and reading verdicts
+# Finding submissions, without following a link
+
+
+def hidden(name: str) -> bool:
+    return name.startswith(".") or name in SKIP_DIRS
+
+
+def refusal(path: Path) -> str:
+    """Why path is not read (a link, a folder's link, not a regular file), or ""."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return "refused: a symbolic link, not read"
+    if not stat.S_ISREG(mode):
+        return "refused: not a regular file, not read"
+    return ""
 
 
 def find_submissions(folder: Path) -> list[Submission]:
-    """A submission per subfolder (its notebooks, recursively) and per notebook file in folder."""
+    """A submission per subfolder (its notebooks, at any depth) and per notebook file in folder.
+    Links (to a file or a folder) and special files are listed, refused, never followed."""
     found = []
-    for entry in sorted(folder.iterdir()):
-        if entry.name.startswith(".") or entry.name in SKIP_DIRS:
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        path = Path(entry.path)
+        if hidden(entry.name):
             continue
-        if entry.is_file() and entry.suffix == ".ipynb":
-            found.append(Submission(entry.stem, folder, [Path(entry.name)], per_file=True))
-        elif entry.is_dir():
-            notebooks = sorted(
-                path.relative_to(entry)
-                for path in entry.rglob("*.ipynb")
-                if not any(
-                    part.startswith(".") or part in SKIP_DIRS
-                    for part in path.relative_to(entry).parts
-                )
-            )
-            if notebooks:
-                found.append(Submission(entry.name, entry, notebooks))
+        if entry.is_symlink() or (entry.name.endswith(".ipynb") and refusal(path)):
+            name = entry.name.removesuffix(".ipynb")
+            found.append(Submission(name, [Entry(entry.name, path, refusal(path))]))
+        elif entry.is_file(follow_symlinks=False) and entry.name.endswith(".ipynb"):
+            found.append(Submission(path.stem, [Entry(entry.name, path)]))
+        elif entry.is_dir(follow_symlinks=False):
+            entries = notebooks_in(path)
+            if entries:
+                found.append(Submission(entry.name, entries))
     return found
 
 
+def notebooks_in(folder: Path) -> list[Entry]:
+    entries = []
+    for where, dirs, files in os.walk(folder, followlinks=False):
+        here = Path(where)
+        dirs[:] = sorted(d for d in dirs if not hidden(d))
+        for name in [d for d in dirs if (here / d).is_symlink()]:
+            dirs.remove(name)
+            relative = (here / name).relative_to(folder).as_posix()
+            entries.append(Entry(relative, here / name, refusal(here / name)))
+        for name in sorted(files):
+            if name.endswith(".ipynb") and not hidden(name):
+                path = here / name
+                entries.append(Entry(path.relative_to(folder).as_posix(), path, refusal(path)))
+    return sorted(entries, key=lambda e: e.relative)
+
+
+def read_submitted(path: Path) -> nbformat.NotebookNode:
+    """The notebook at path, opened without following a link; Unreadable says why not."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        raise Unreadable(f"not readable: {err.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise Unreadable("refused: not a regular file, not read")
+        if info.st_nlink > 1:
+            raise Unreadable("refused: a hard link to another file, not read")
+        if info.st_size > MAX_NOTEBOOK_BYTES:
+            raise Unreadable(f"refused: larger than {MAX_NOTEBOOK_BYTES >> 20} MB")
+        data = f.read(MAX_NOTEBOOK_BYTES + 1)
+    try:
+        return nbformat.reads(data.decode("utf-8"), as_version=4)
+    except Exception as err:  # what it says may quote the file: only its kind is told
+        raise Unreadable(f"not a readable notebook ({type(err).__name__})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts
+
+
+def parse(line: str) -> Verdict | None:
+    match = VERDICT.match(line.rstrip())
+    if not match or (match[1] == "✗" and match[2].strip() == CLAIM):
+        return None
+    return match[2].strip(), match[1] == "✓", (match[3] or "").strip()
+
+
 def verdict_lines(cell: nbformat.NotebookNode) -> list[Verdict]:
-    """(name, passed, message) of each `✓ NAME: message` / `✗ NAME: message` line it printed."""
+    """The ✓/✗ lines a cell printed: read from the teacher's committed notebooks only."""
     text = "".join(
         out.get("text", "")
         for out in cell.get("outputs", [])
         if out.get("output_type") == "stream" and out.get("name") == "stdout"
     )
-    found = []
-    for line in text.splitlines():
-        line = line.rsplit("\r", 1)[-1].rstrip()  # a line redrawn with \r: its last version
-        match = VERDICT.match(line)
-        if match:
-            mark, name, message = match[1], match[2].strip(), (match[3] or "").strip()
-            if mark == "✗" and name == CLAIM:
+    lines = [parse(line.rsplit("\r", 1)[-1]) for line in text.splitlines()]
+    return [line for line in lines if line is not None]
+
+
+def signature(key: bytes, number: int, line: str) -> str:
+    return hmac.new(key, f"{number}\0{line}".encode(), "sha256").hexdigest()
+
+
+def signed_verdicts(nb: nbformat.NotebookNode, key: bytes) -> dict[int, list[Verdict]]:
+    """Each code cell's verdicts that carry the kernel's signature (numbered in order, each
+    once); every verdict output is removed from nb, signed or not."""
+    found: dict[int, list[Verdict]] = {}
+    last = 0
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.get("outputs", []):
+            data = out.get("data", {}) if out.get("output_type") == "display_data" else {}
+            if VERDICT_MIME not in data:
+                kept.append(out)
                 continue
-            found.append((name, mark == "✓", message))
+            sent = data[VERDICT_MIME]
+            number, line = sent.get("n"), sent.get("line")
+            if not (isinstance(number, int) and isinstance(line, str) and number > last):
+                continue
+            if hmac.compare_digest(str(sent.get("mac")), signature(key, number, line)):
+                last = number
+                if (verdict := parse(line)) is not None:
+                    found.setdefault(index, []).append(verdict)
+        cell.outputs = kept
     return found
 
 
 def regions(
-    nb: nbformat.NotebookNode, exercise_ids: set[str]
+    nb: nbformat.NotebookNode, exercise_ids: set[str], lines_of
 ) -> tuple[list[tuple[str | None, list[Verdict]]], list[Verdict]]:
-    """([(exercise cell id, verdicts of its region)], every verdict printed). A region runs from
-    an exercise cell through the code cells after it, up to the next markdown cell."""
+    """([(exercise cell id, verdicts of its region)], every verdict); lines_of(index, cell)
+    gives a cell's verdicts. A region runs from an exercise cell through the code cells
+    after it, up to the next markdown cell."""
     found: list[tuple[str | None, list[Verdict]]] = []
     every: list[Verdict] = []
     current: list[Verdict] | None = None
-    for cell in nb.cells:
+    for index, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             current = None
             continue
@@ -153,35 +289,31 @@ def regions(
         if cell.get("id") in exercise_ids or any(m in cell.source for m in SOLUTION_MARKERS):
             current = []
             found.append((cell.get("id"), current))
-        lines = verdict_lines(cell)
+        lines = lines_of(index, cell)
         every += lines
         if current is not None:
             current += lines
     return found, every
 
 
-def exercises(nb: nbformat.NotebookNode, lesson: Lesson) -> dict[str, tuple[bool, str]]:
-    """name -> (passed, message) for each exercise verdict of an executed notebook.
+def exercises(
+    nb: nbformat.NotebookNode, lesson: Lesson, signed: dict[int, list[Verdict]]
+) -> dict[str, tuple[bool, str]]:
+    """name -> (passed, message) for each of the lesson's exercises, from the signed verdicts
+    of a restored notebook's run (its cells are the teacher's, ids included).
 
-    Each of the lesson's exercises takes the verdicts its region printed (the region of the
-    cell with its id, else the next region in order): by name, and a name it did not print
-    takes the verdict of a name the teacher's run never printed there (a checker may name a
-    stub's verdict otherwise: "sent bytes: not solved yet" for "K=2, reshard=False: correct"),
-    else the region's first failure (a checker that stopped at it); else it is not reached.
-    A lesson's name printed elsewhere still counts; regions no exercise claims count by their
-    own names. A notebook with no lesson and no exercise cell: every verdict counts.
+    An exercise takes its region's verdicts by name (a name printed twice: the last); a name
+    its region did not print takes the verdict of a name the teacher's run never printed
+    there (a checker may name a stub's verdict otherwise: "sent bytes: not solved yet" for
+    "K=2, reshard=False: correct"), else the region's first failure (a checker that stopped
+    at it); else it is not reached. A lesson's name printed outside its region still counts.
     """
     teachers = {cell_id for cell_id, _ in lesson.exercises}
-    found, every = regions(nb, teachers)
-    if not (lesson.exercises or found):
-        return {name: (passed, message) for name, passed, message in every}
+    found, every = regions(nb, teachers, lambda index, _: signed.get(index, []))
     by_id = {cell_id: lines for cell_id, lines in found}
-    unclaimed = [lines for cell_id, lines in found if cell_id not in teachers]
     graded: dict[str, tuple[bool, str]] = {}
     for cell_id, names in lesson.exercises:
-        lines = by_id.get(cell_id)
-        if lines is None:
-            lines = unclaimed.pop(0) if unclaimed else []
+        lines = by_id.get(cell_id, [])
         printed = {name: (passed, message) for name, passed, message in lines}
         others = [(name, passed, message) for name, passed, message in lines if name not in names]
         failed = [line for line in lines if not line[1]]
@@ -191,39 +323,34 @@ def exercises(nb: nbformat.NotebookNode, lesson: Lesson) -> dict[str, tuple[bool
                 graded[name] = printed[name]
             elif stand_in is not None:
                 graded[name] = (stand_in[1], f"{stand_in[0]}: {stand_in[2]}")
-        if stand_in is not None and not names:
-            graded |= {name: (passed, message) for name, passed, message in others}
     known = set(lesson.names)
     for name, passed, message in every:  # the lesson's names, printed outside their region
         if name in known and name not in graded:
             graded[name] = (passed, message)
-    for lines in unclaimed:
-        graded |= {name: (passed, message) for name, passed, message in lines}
     return graded
 
 
 def read_lessons(notebooks: list[Path]) -> dict[str, Lesson]:
-    """Each teacher notebook's exercises: the solution cell's id, and the verdict names its
-    region printed in the committed outputs."""
+    """Each teacher notebook and its exercises: the solution cell's id, and the verdict names
+    its region printed in the committed outputs."""
     lessons = {}
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
         ids = {
-            cell.get("id")
-            for cell in nb.cells
-            if cell.cell_type == "code" and SOLUTION_MARKERS[0] in cell.source
+            cell.get("id") for cell in nb.cells if cell.cell_type == "code" and BEGIN in cell.source
         }
-        found, _ = regions(nb, ids)
+        found, _ = regions(nb, ids, lambda _, cell: verdict_lines(cell))
         lessons[path.stem] = Lesson(
-            [(cell_id, unique([name for name, _, _ in lines])) for cell_id, lines in found]
+            nb, [(cell_id, unique([name for name, _, _ in lines])) for cell_id, lines in found]
         )
     return lessons
 
 
-def lesson_of(notebook: Path, lessons: dict[str, Lesson]) -> str | None:
+def lesson_of(notebook: str, lessons: dict[str, Lesson]) -> str | None:
     """The teacher notebook a submitted one is a copy of: the same name, or one containing it
     (01_dataset.ipynb, anna-01_dataset.ipynb)."""
-    matches = [stem for stem in lessons if stem in notebook.stem]
+    stem = Path(notebook).stem
+    matches = [name for name in lessons if name in stem]
     return max(matches, key=len) if matches else None
 
 
@@ -232,189 +359,139 @@ def unique(items: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Running a notebook
+# Restoring the teacher's notebook around a submission's answers
 
 
-def first_line(cell: nbformat.NotebookNode) -> str:
-    line = next((x.strip() for x in cell.source.splitlines() if x.strip()), "")
-    return line if len(line) <= 40 else line[:37] + "..."
+def pieces(source: str) -> tuple[list[list[str]], list[tuple[str, list[str]]]]:
+    """A teacher cell as (its fixed blocks of lines, [(indent, body)] of the regions between
+    them): len(fixed) == len(regions) + 1; the marker lines belong to neither."""
+    import student  # tools/, beside this file
+
+    lines = source.split("\n")
+    fixed, found, last = [], [], 0
+    for begin, end in student.regions(lines, BEGIN, END, "the teacher's notebook"):
+        fixed.append(lines[last:begin])
+        line = lines[begin]
+        found.append((line[: len(line) - len(line.lstrip())], lines[begin + 1 : end]))
+        last = end + 1
+    return [*fixed, lines[last:]], found
 
 
-def where(number: int, cell: nbformat.NotebookNode) -> str:
-    return f"cell {number} ({first_line(cell)!r})" if first_line(cell) else f"cell {number}"
+def find_block(lines: list[str], block: list[str]) -> int | None:
+    if not any(line.strip() for line in block):
+        return None
+    for at in range(len(lines) - len(block) + 1):
+        if lines[at : at + len(block)] == block:
+            return at
+    return None
 
 
-def error_line(out: nbformat.NotebookNode) -> str:
-    """'RuntimeError: boom': the error's name and the first line of its value."""
-    value = ANSI.sub("", str(out.get("evalue", ""))).strip().splitlines()
-    return f"{out.get('ename', 'Error')}: {value[0]}" if value else str(out.get("ename", "Error"))
-
-
-def run_notebook(nb: nbformat.NotebookNode, folder: Path, timeout: float) -> str:
-    """Execute nb in place in a fresh kernel in `folder`, on past errors, within `timeout`
-    seconds in all; return a note: where it stopped, or the first cell that raised, or ''."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-
-    deadline = time.monotonic() + timeout
-
-    def left(_cell=None) -> int:  # a cell's timeout: what is left of the notebook's (0 = none)
-        return max(1, math.ceil(deadline - time.monotonic()))
-
-    client = NotebookClient(
-        nb,
-        timeout=left(),
-        timeout_func=left,
-        startup_timeout=left(),
-        allow_errors=True,
-        kernel_name="python3",
-        record_timing=False,
-        shutdown_kernel="immediate",
-        resources={"metadata": {"path": str(folder)}},
-        extra_arguments=["--IPKernelApp.log_level=ERROR"],
-    )
-    for cell in nb.cells:  # verdicts come from this run only, not from a submission's outputs
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-    stopped = ""
+def answers(teacher: str, submitted: str | None) -> list[list[str] | None]:
+    """The submission's code for each region of a teacher cell (None: not found, the stub
+    runs): between its own markers if it kept them, else what differs from the teacher's
+    fixed lines at its start and end (an edited checker line is kept as an answer line, and
+    the teacher's own follows it)."""
+    fixed, found = pieces(teacher)
+    if submitted is None:
+        return [None] * len(found)
+    lines = submitted.split("\n")
     try:
-        with client.setup_kernel():
-            for index, cell in enumerate(nb.cells):
-                if cell.cell_type != "code" or not cell.source.strip():
-                    continue
-                at = f"stopped at {where(index + 1, cell)}"
-                if time.monotonic() >= deadline:
-                    stopped = f"{at}: time limit of {timeout:g} s"
-                    break
-                try:
-                    client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
-                except CellTimeoutError:
-                    stopped = f"{at}: time limit of {timeout:g} s"
-                    break
-                except DeadKernelError:
-                    stopped = f"{at}: the kernel died"
-                    break
-    except Exception as err:  # the kernel did not start, or stopped answering
-        stopped = f"not run to the end: {type(err).__name__}: {str(err).strip()[:200]}"
-    raised = [
-        (number, cell, out)
-        for number, cell in enumerate(nb.cells, start=1)
+        own_fixed, own = pieces(submitted)
+    except ValueError:
+        own = []
+    if len(own) == len(found):
+        return [body for _, body in own]
+    start = 0
+    while start < min(len(fixed[0]), len(lines)) and lines[start] == fixed[0][start]:
+        start += 1
+    stop, tail = len(lines), fixed[-1]
+    while (
+        stop > start
+        and len(lines) - stop < len(tail)
+        and lines[stop - 1] == tail[len(tail) - (len(lines) - stop) - 1]
+    ):
+        stop -= 1
+    middle, found_answers = lines[start:stop], []
+    for block in fixed[1:-1]:
+        at = find_block(middle, block)
+        if at is None:
+            break
+        found_answers.append(middle[:at])
+        middle = middle[at + len(block) :]
+    found_answers.append(middle)
+    return found_answers + [None] * (len(found) - len(found_answers))
+
+
+def restored_cell(teacher: str, submitted: str | None) -> tuple[str, list[int]]:
+    """The teacher's cell with the submission's answers in its regions (a missing one: the
+    student copy's stub); and the numbers (from 1) of the teacher's own lines in it."""
+    from student import stub  # tools/, beside this file
+
+    fixed, found = pieces(teacher)
+    given = answers(teacher, submitted)
+    lines: list[str] = []
+    theirs: list[int] = []
+    for number, block in enumerate(fixed):
+        theirs += range(len(lines) + 1, len(lines) + len(block) + 1)
+        lines += block
+        if number < len(found):
+            indent, body = found[number]
+            answer = given[number]
+            lines += answer if answer is not None else stub(body, indent, "the teacher's cell")
+    return "\n".join(lines), theirs
+
+
+def restore(
+    teacher: nbformat.NotebookNode, submitted: nbformat.NotebookNode
+) -> tuple[nbformat.NotebookNode, dict[str, list[int]]]:
+    """The notebook that runs: the teacher's cells, each exercise cell holding the submission's
+    answers (its cell of the same id, else its next exercise-looking cell in order); and, per
+    code cell (by the digest of the Python it runs), the teacher's line numbers."""
+    nb = nbformat.from_dict(json.loads(json.dumps(teacher)))
+    ids = {cell.get("id") for cell in nb.cells}
+    theirs = {cell.get("id"): cell.source for cell in submitted.cells if cell.cell_type == "code"}
+    loose = [
+        cell.source
+        for cell in submitted.cells
         if cell.cell_type == "code"
-        for out in cell.get("outputs", [])
-        if out.get("output_type") == "error"
+        and cell.get("id") not in ids
+        and any(m in cell.source for m in SOLUTION_MARKERS)
     ]
-    notes = []
-    if raised:
-        number, cell, out = raised[0]
-        more = len({n for n, _, _ in raised}) - 1
-        notes.append(
-            f"{where(number, cell)} raised {error_line(out)}"
-            + (f" (and {more} more cell{'s' if more > 1 else ''})" if more else "")
-        )
-    if stopped:
-        notes.append(stopped)
-    return "; ".join(notes)
+    allowed: dict[str, list[int]] = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        cell.outputs, cell.execution_count = [], None
+        cell.metadata.pop("execution", None)
+        if BEGIN in cell.source:
+            own = theirs.get(cell.get("id"))
+            cell.source, lines = restored_cell(
+                cell.source, own if own is not None else (loose.pop(0) if loose else None)
+            )
+        else:
+            lines = list(range(1, cell.source.count("\n") + 2))
+        allowed[digest(cell.source)] = lines
+    return nb, allowed
+
+
+def digest(source: str) -> str:
+    """What the kernel's channel looks up: the Python IPython runs for source, as its line
+    cache holds it."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    text = TransformerManager().transform_cell(source).rstrip()
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
-# The cluster
+# One sandbox per submission
 
 
-def prepare_environment(ipython_dir: Path) -> None:
-    """This venv's mpiexec first on PATH; the grading cluster's own IPython directory (the
-    kernels inherit it, so their connect() finds this cluster); the ranks' launch settings."""
-    from fsdp_lesson.launch import rank_settings
-
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-    os.environ["IPYTHONDIR"] = str(ipython_dir)
-    os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress widgets in the outputs
-    os.environ.update(rank_settings())
-    os.environ.pop("FSDP_LESSON_DOCS", None)  # notebook 07 would write the README's plots
-
-
-class Engines:
-    """One 4-engine MPI cluster (tools/lesson.py's mpi_cluster) for a whole grading run;
-    restarted when it stops answering; always stopped on leaving."""
-
-    def __init__(self, n: int = N_ENGINES) -> None:
-        self.n = n
-        self.restarts = 0
-        self._stack: ExitStack | None = None
-        self.cluster = None
-
-    def __enter__(self) -> Engines:
-        self._stop_leftover()
-        self._start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop()
-
-    def _start(self) -> None:
-        from lesson import mpi_cluster  # tools/, beside this file
-
-        self._stack = ExitStack()
-        try:
-            self.cluster = self._stack.enter_context(mpi_cluster(self.n))
-        except BaseException:
-            self._stop()
-            raise
-
-    def _stop(self) -> None:
-        stack, self._stack, self.cluster = self._stack, None, None
-        if stack is not None:
-            stack.close()
-
-    @staticmethod
-    def _stop_leftover() -> None:
-        """A cluster left in this IPython directory by a grading run that was killed."""
-        import ipyparallel as ipp
-
-        from fsdp_lesson.cluster import stop_cluster
-
-        with contextlib.suppress(Exception):
-            leftover = ipp.Cluster.from_file(profile="default", cluster_id="")
-            if leftover.controller is not None or leftover.engines:
-                print("stopping a cluster left by an earlier grading run", flush=True)
-                stop_cluster(leftover)
-
-    def healthy(self) -> bool:
-        """All engines there and idle (a stopped notebook's tasks do not run on into the
-        next one), their namespaces cleared, and each answering within seconds."""
-        try:
-            client = self.cluster.connect_client_sync(timeout=HEALTH_TIMEOUT)
-        except Exception:
-            return False
-        try:
-            client.wait_for_engines(self.n, timeout=HEALTH_TIMEOUT)
-            deadline = time.monotonic() + BUSY_GRACE
-            while any(
-                status["queue"] or status["tasks"]
-                for engine, status in client.queue_status().items()
-                if engine != "unassigned"
-            ):
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.2)
-            client.clear(block=False).result(timeout=HEALTH_TIMEOUT)
-            pids = client[:].apply_async(os.getpid).get(timeout=HEALTH_TIMEOUT)
-            return len(client.ids) == self.n == len(set(pids))
-        except Exception:
-            return False
-        finally:
-            client.close()
-
-    def restart(self) -> None:
-        """Kill the engines (a rank blocked in MPI ignores SIGTERM), stop, start afresh."""
-        with contextlib.suppress(Exception):
-            self.cluster.signal_engines_sync(signal.SIGKILL)
-        self._stop()
-        self._start()
-        self.restarts += 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Grading and the reports
+@dataclass
+class Job:
+    entry: Entry
+    lesson: str
+    notebook: sandbox.Notebook  # the teacher's cells and the submission's answers
 
 
 def grade_submission(
@@ -423,48 +500,58 @@ def grade_submission(
     scratch: Path,
     graded: Path,
     timeout: float,
-    engines: Engines | None,
+    say: Callable[[Result], None],
 ) -> list[Result]:
-    """Run each notebook of one submission (from a scratch copy); its results."""
-    work = scratch / "work"
-    shutil.rmtree(work, ignore_errors=True)
-    if submission.per_file:
-        work.mkdir(parents=True)
-        shutil.copy2(submission.root / submission.notebooks[0], work / submission.notebooks[0])
-    else:
-        shutil.copytree(
-            submission.root, work, ignore=shutil.ignore_patterns(*SKIP_DIRS), symlinks=True
-        )
-    results = []
-    for relative in submission.notebooks:
-        path = work / relative
-        lesson = lesson_of(relative, lessons)
-        result = Result(submission.name, relative.as_posix(), lesson or relative.as_posix())
-        start = time.perf_counter()
+    """Each notebook of one submission, run in its sandbox; its results (say(result) as each
+    is known)."""
+    results, jobs = [], []
+    for entry in submission.entries:
+        lesson = lesson_of(entry.relative, lessons)
+        result = Result(submission.name, entry.relative, lesson or entry.relative)
         try:
-            nb = nbformat.read(path, as_version=4)
-        except Exception as err:
-            result.note = f"not a readable notebook: {type(err).__name__}: {err}"[:300]
+            if entry.refused:
+                raise Unreadable(entry.refused)
+            nb = read_submitted(entry.path)
+            if lesson is None:
+                raise Unreadable(
+                    "not graded: its name matches no lesson (name it as the teacher's, "
+                    "e.g. 01_dataset.ipynb)"
+                )
+            restored, allowed = restore(lessons[lesson].notebook, nb)
+        except ValueError as err:  # Unreadable, or a teacher cell's markers (MarkerError)
+            result.note = str(err)
             results.append(result)
+            say(result)
             continue
-        result.note = run_notebook(nb, path.parent, timeout)
-        result.seconds = time.perf_counter() - start
-        result.verdicts = exercises(nb, lessons[lesson] if lesson else Lesson([]))
-        if engines is not None and not engines.healthy():
-            engines.restart()
-            result.note += ("; " if result.note else "") + "the engines were restarted after it"
-        out = graded / submission.name / relative
-        out.parent.mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, out)
+        key = secrets.token_bytes(32)
+        setup = CHANNEL % (sandbox.KEY_FILE, allowed, VERDICT_MIME)
+        file = f"{len(jobs):03d}.ipynb"
+        jobs.append(Job(entry, lesson, sandbox.Notebook(file, restored, key, setup)))
         results.append(result)
-        passed = sum(p for p, _ in result.verdicts.values())
-        note = f"  {result.note}" if result.note else ""
-        print(
-            f"  {submission.name} / {result.notebook}: {passed} passed ({result.seconds:.1f} s)"
-            + note,
-            flush=True,
-        )
+
+    def finished(file: str, line: dict) -> None:
+        job = next(job for job in jobs if job.notebook.file == file)
+        result = next(r for r in results if r.notebook == job.entry.relative)
+        result.note, result.seconds = line["note"], line.get("seconds", 0.0)
+        executed_path = scratch / "out" / file
+        if executed_path.is_file():
+            executed = nbformat.read(executed_path, as_version=4)
+            signed = signed_verdicts(executed, job.notebook.key)
+            result.verdicts = exercises(executed, lessons[job.lesson], signed)
+            out = graded / submission.name / job.entry.relative
+            out.parent.mkdir(parents=True, exist_ok=True)
+            nbformat.write(executed, out)
+        say(result)
+
+    if jobs:
+        sandbox.run_sandboxed([job.notebook for job in jobs], scratch, timeout, finished)
+    shutil.rmtree(scratch / "work", ignore_errors=True)
+    shutil.rmtree(scratch / "out", ignore_errors=True)
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The reports
 
 
 def columns(results: list[Result], lessons: dict[str, Lesson]) -> dict[str, list[str]]:
@@ -525,8 +612,8 @@ def write_md(
         "# Grades",
         "",
         f"{len(submissions)} submissions, {len(results)} notebooks, each run within "
-        f"{timeout:g} s on a 4-engine MPI cluster (tools/grade.py). A cell says `pass` or "
-        "`fail` and the checker's message; `not reached`: the checker never printed.",
+        f"{timeout:g} s in a sandbox of its own (tools/grade.py). A cell says `pass` or `fail` "
+        "and the checker's signed message; `not reached`: the checker never said.",
         "",
         "## Summary",
         "",
@@ -556,60 +643,95 @@ def write_md(
 
 def grade(
     folder: Path,
-    out: Path = OUT,
+    out: Path,
     timeout: float = TIMEOUT,
-    engines: Engines | None = None,
-    teacher_notebooks: list[Path] = TEACHER_NOTEBOOKS,
+    teacher_notebooks: list[Path] | None = None,
 ) -> list[Result]:
-    """Grade every submission in folder on the running `engines`; write OUT/grades.csv and
-    OUT/grades.md (after each notebook, so an interrupted run leaves what it graded)."""
+    """Grade every submission in folder, each in its sandbox; write OUT/grades.csv and
+    OUT/grades.md (after each submission, so an interrupted run leaves what it graded)."""
     submissions = find_submissions(folder)
     if not submissions:
         raise ValueError(f"{folder}: no notebooks (*.ipynb) in it or in its subfolders")
-    lessons = read_lessons(teacher_notebooks)
-    out.mkdir(parents=True, exist_ok=True)
+    lessons = read_lessons(teacher_notebooks or sorted(LESSONS.glob("[0-9][0-9]_*.ipynb")))
     graded = out / "graded"
-    shutil.rmtree(graded, ignore_errors=True)
+    shutil.rmtree(graded, ignore_errors=True)  # main() asked first, if anything was there
+    out.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
-    count = sum(len(s.notebooks) for s in submissions)
-    print(f"grading {len(submissions)} submissions ({count} notebooks) in {folder}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="grade-") as scratch:
+    total = sum(len(s.entries) for s in submissions)
+    print(f"grading {len(submissions)} submissions ({total} notebooks) in {folder}", flush=True)
+
+    said: list[Result] = []
+
+    def say(result: Result) -> None:
+        """A console line per notebook as it is graded, or refused: [k/n] who / what: how."""
+        said.append(result)
+        line = f"[{len(said)}/{total}] {result.submission} / {result.notebook}: "
+        if result.seconds:
+            passed = sum(p for p, _ in result.verdicts.values())
+            of = len(lessons[result.key].names) if result.key in lessons else 0
+            line += f"{passed}/{of} passed ({result.seconds:.1f} s)"
+            line += f"  {result.note}" if result.note else ""
+        else:
+            line += result.note or "not run"
+        print(line, flush=True)
+
+    base = "/run" if os.access("/run", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="fsdp-grade-", dir=base) as scratch:
+        os.chmod(scratch, 0o700)
         for submission in submissions:
-            results += grade_submission(
-                submission, lessons, Path(scratch), graded, timeout, engines
-            )
+            results += grade_submission(submission, lessons, Path(scratch), graded, timeout, say)
             by_key = columns(results, lessons)
             write_csv(results, by_key, out / "grades.csv")
             write_md(results, by_key, out / "grades.md", timeout)
     return results
 
 
+def refuse(message: str) -> int:
+    print(f"make grade: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("submissions", type=Path, help="a folder of submissions")
     parser.add_argument(
         "--timeout", type=float, default=TIMEOUT, help=f"seconds per notebook (default {TIMEOUT})"
     )
-    parser.add_argument("--out", type=Path, default=OUT, help="where grades.csv/.md go (build/)")
+    parser.add_argument(
+        "--out", type=Path, help="where grades.csv/.md and graded/ go (build/grades/FOLDER)"
+    )
+    parser.add_argument(
+        "--replace", action="store_true", help="replace the grades already in --out"
+    )
+    parser.add_argument(
+        "--lessons", type=Path, default=LESSONS, help="the teacher's notebooks (notebooks/)"
+    )
     args = parser.parse_args(argv)
     folder = args.submissions.resolve()
     if not folder.is_dir():
-        print(f"make grade: {args.submissions} is not a folder", file=sys.stderr)
-        return 2
+        return refuse(f"{args.submissions} is not a folder")
     if not find_submissions(folder):
-        print(f"make grade: {args.submissions} holds no notebooks (*.ipynb)", file=sys.stderr)
-        return 2
+        return refuse(f"{args.submissions} holds no notebooks (*.ipynb)")
     if args.timeout <= 0:
-        print("make grade: --timeout must be a positive number of seconds", file=sys.stderr)
-        return 2
-    # A terminated job (CI's timeout, a closed terminal) still stops its cluster: exit via finally.
+        return refuse("--timeout must be a positive number of seconds")
+    out = (args.out or OUT / folder.name).resolve()
+    if not args.replace and ((out / "grades.csv").exists() or (out / "graded").exists()):
+        return refuse(
+            f"{out} already holds a class's grades: give another OUT=DIR, or REPLACE=1 "
+            f"(--replace) to replace them"
+        )
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return refuse(
+            "the sandbox each submission runs in needs root (namespaces, a root folder of its "
+            "own, an account with no rights): run `sudo make grade ...`"
+        )
+    teachers = sorted(args.lessons.resolve().glob("*.ipynb"))
+    # A terminated job (CI's timeout, a closed terminal) still ends its sandbox: exit via finally.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    prepare_environment(Path(os.environ.get("LESSON_IPYTHONDIR", IPYTHON_DIR)))
-    out = args.out.resolve()
     try:
-        with Engines() as engines:
-            grade(folder, out, args.timeout, engines)
-    except KeyboardInterrupt:  # the cluster is stopped by now; what was graded is written
+        grade(folder, out, args.timeout, teachers)
+    except KeyboardInterrupt:  # the sandbox is ended by now; what was graded is written
         print(f"make grade: interrupted (Ctrl-C); the notebooks graded so far are in {out}")
         return 130
     print(f"wrote {out / 'grades.csv'} and {out / 'grades.md'}")
