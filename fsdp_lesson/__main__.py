@@ -188,14 +188,14 @@ def check_out(out: Path | None) -> None:
 def check_flags(args) -> None:
     """Flags each fine alone that together would run something other than asked: refused
     before any work, the same on every rank."""
-    from .model import MLP
+    from .bounds import layers_with_parameters
 
-    layers = [layer.name for layer in MLP(ModelConfig(layers=args.layers)).layers if layer.shapes]
-    if args.layers_per_unit > len(layers):
+    count, names = layers_with_parameters(ModelConfig(layers=args.layers))
+    if args.layers_per_unit > count:
         raise UsageError(
             f"error: argument --layers-per-unit: {args.layers_per_unit} is more than the "
-            f"model's {len(layers)} layers with parameters ({', '.join(layers)}): use at most "
-            f"{len(layers)}, which makes the whole model one unit"
+            f"model's {count} layers with parameters ({names}): use at most "
+            f"{count}, which makes the whole model one unit"
         )
     if args.trace_step is not None and args.strategy != "zero3":
         raise UsageError(

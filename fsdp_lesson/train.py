@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bounds import check_model_fits
 from .checkpoint import (
     CheckpointError,
     MeshRanks,
@@ -437,6 +438,7 @@ def prepare(
     """Every refusal a rank can reach before anything is allocated, then the data."""
     tc.validate(comm.size)
     model_config.validate()
+    check_model_fits(model_config, comm.size, tc.memory_budget_mb)  # before any dry run
     rc.validate()
     if rc.resume is None and rc.checkpoint_dir is not None and not rc.overwrite:
         existing = find_checkpoint(rc.checkpoint_dir)

@@ -155,6 +155,14 @@ class Strategy:
                 self.set_from_vector(self.sixteen_bit(entry.layer), vectors[key])
         self.optimizer.t = optimizer_steps
 
+    def params_entry(self, layer: str) -> StateArray:
+        """local_state()[f"{layer}.params"] alone (the fp32 master under mixed precision),
+        without building every layer's entries: init_params asks once per layer."""
+        if self.mixed:
+            master = self.opt_state[layer]["master"]
+            return StateArray(master, layer, is_sharded(self.stage, "optimizer"))
+        return StateArray(self.param_arrays()[layer], layer, is_sharded(self.stage, "params"))
+
     def sixteen_bit(self, layer: str) -> StateArray:
         """Mixed precision: this rank's 16-bit parameters of a layer (whole or shard)."""
         return StateArray(self.param_arrays()[layer], layer, is_sharded(self.stage, "params"))
@@ -183,7 +191,7 @@ class Strategy:
     def keep_initial(self, layer: str, arrays: Params) -> None:
         """Copy one layer's initial values into this rank's parameters: all, or its shard."""
         name, arrays = self.held_as(layer, arrays)
-        entries = [self.local_state()[f"{name}.params"]]
+        entries = [self.params_entry(name)]
         if self.mixed:  # the master and its 16-bit copy
             entries.append(self.sixteen_bit(name))
         for entry in entries:
