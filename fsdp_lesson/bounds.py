@@ -74,7 +74,8 @@ def check_model_fits(config: ModelConfig, ranks: int, budget_mb: float | None = 
     if over:
         on = f"{ranks} rank" + ("s" if ranks > 1 else "")
         raise ConfigError(
-            f"this model has {rounded(count)} parameters: their float32 values alone need "
-            f"{rounded(-(-need // MIB))} MiB per rank on {on}, more than {over[0]}: use a smaller "
-            f"--hidden, --emb or --layers, or more ranks"
+            f"this run would need at least {rounded(-(-need // MIB))} MiB per rank (the model's "
+            f"{rounded(count)} parameters in float32 alone, on {on}; predicted before "
+            f"allocating anything), more than {over[0]}: use a smaller --hidden, --emb or "
+            f"--layers, or more ranks"
         )

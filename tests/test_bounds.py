@@ -73,9 +73,9 @@ def test_the_parameter_count_is_the_models(config):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--hidden", "1000000000"], "this model has 2.84e+11 parameters"),
-        (["--emb", "100000000000000000000"], "this model has 1.05e+23 parameters"),
-        (["--layers", "100000000"], "this model has 4.16e+11 parameters"),
+        (["--hidden", "1000000000"], "(the model's 2.84e+11 parameters in float32"),
+        (["--emb", "100000000000000000000"], "(the model's 1.05e+23 parameters in float32"),
+        (["--layers", "100000000"], "(the model's 4.16e+11 parameters in float32"),
         (["--layers", "1000", "--memory-budget-mb", "1"], "more than the budget of 1 MiB"),
         (["--layers", "100000000", "--layers-per-unit", "1000000000"], "100000002 layers"),
     ],
