@@ -41,6 +41,7 @@ except ImportError:  # a Python without the project's packages, e.g. outside .ve
 
 from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from .data import DEFAULT_PATH, NAMES_SHA256, DataError, build_names_file, sha256_of
+from .watchdog import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:  # train.py loads only when a run starts (train_command)
     from .train import History
@@ -188,14 +189,14 @@ def check_out(out: Path | None) -> None:
 def check_flags(args) -> None:
     """Flags each fine alone that together would run something other than asked: refused
     before any work, the same on every rank."""
-    from .model import MLP
+    from .bounds import layers_with_parameters
 
-    layers = [layer.name for layer in MLP(ModelConfig(layers=args.layers)).layers if layer.shapes]
-    if args.layers_per_unit > len(layers):
+    count, names = layers_with_parameters(ModelConfig(layers=args.layers))
+    if args.layers_per_unit > count:
         raise UsageError(
             f"error: argument --layers-per-unit: {args.layers_per_unit} is more than the "
-            f"model's {len(layers)} layers with parameters ({', '.join(layers)}): use at most "
-            f"{len(layers)}, which makes the whole model one unit"
+            f"model's {count} layers with parameters ({names}): use at most "
+            f"{count}, which makes the whole model one unit"
         )
     if args.trace_step is not None and args.strategy != "zero3":
         raise UsageError(
@@ -210,7 +211,7 @@ def check_flags(args) -> None:
         )
 
 
-def start_mpi() -> None:
+def start_mpi(timeout: float = DEFAULT_TIMEOUT) -> None:
     """Initialise MPI with the kernel's own action for SIGINT and SIGTERM, then restore ours.
 
     mpi4py calls MPI_Init_thread as it is imported, holding the GIL, and MPI_Init waits for
@@ -218,14 +219,17 @@ def start_mpi() -> None:
     but that thread cannot run before MPI_Init returns, which it never does once another rank
     has ended (mpiexec passes a SIGTERM to the ranks one by one): 4 of 18 SIGTERMs that came
     0.85-1.1 s into a 4-rank start left the job waiting forever. During MPI_Init a signal now
-    ends the rank at once (with no line); before and after it, as launch.py says.
+    ends the rank at once (with no line); before and after it, as launch.py says. A rank that
+    never reaches MPI_Init ends the job after `timeout` seconds, named (startup.py).
     """
     from .launch import drop_inherited_loopback
+    from .startup import watched_start
 
     drop_inherited_loopback()  # as Comm.world does: MPI reads its environment as it starts
     previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        from mpi4py import MPI  # noqa: F401  (MPI_Init_thread)
+        with watched_start(*launcher_rank_and_size(), timeout):
+            from mpi4py import MPI  # noqa: F401  (MPI_Init_thread)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -286,7 +290,7 @@ def train_command(args) -> None:
     launched_alone = launcher_rank_and_size()[1] == 1
     alone = args.strategy == "single" and launched_alone
     if not alone:
-        start_mpi()
+        start_mpi(train_config.timeout)
     comm = Comm() if alone else Comm.world(run_config.collectives, train_config.timeout)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     try:  # every refusal is agreed on, so all ranks raise it together: no hang

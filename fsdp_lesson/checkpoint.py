@@ -382,9 +382,7 @@ def _validate(manifest, path: Path) -> None:
         raise bad(f"'optimizer_steps' {manifest['optimizer_steps']} is more than its {step} steps")
     if manifest["strategy"] not in STRATEGIES:
         raise bad(f"'strategy' {manifest['strategy']!r} is none of {', '.join(STRATEGIES)}")
-    units = manifest["train_config"].get("layers_per_unit", 1)
-    if not isinstance(units, int) or isinstance(units, bool) or units < 1:
-        raise bad(f"'layers_per_unit' is {units!r}, not a positive integer")
+    _check_layout(manifest, bad)
     scaler = manifest["loss_scaler"]
     if scaler and not (
         isinstance(scaler.get("scale"), float)
@@ -397,6 +395,20 @@ def _validate(manifest, path: Path) -> None:
     if set(manifest["files"]) != expected:
         raise bad(f"its files {sorted(manifest['files'])} are not the {n} ranks' shards")
     _check_layers(manifest, bad)
+
+
+def _check_layout(manifest: dict, bad: Callable[[str], CheckpointError]) -> None:
+    """The layout options the manifest says it was saved with (LAYOUT: units, --tp, --pp) are
+    positive integers, and --tp x --pp ranks divide its world_size, as any run's must."""
+    sizes = {key: manifest["train_config"].get(key, 1) for key in LAYOUT}
+    for key, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise bad(f"{key!r} is {repr(size)[:40]}, not a positive integer")
+    if manifest["world_size"] % (sizes["tp"] * sizes["pp"]):
+        raise bad(
+            f"'tp' {sizes['tp']} x 'pp' {sizes['pp']} does not divide its world_size "
+            f"{manifest['world_size']}"
+        )
 
 
 def _check_layers(manifest: dict, bad: Callable[[str], CheckpointError]) -> None:
@@ -487,21 +499,47 @@ def _reason(err: Exception) -> str:
     return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
+NPY_HEADER_MAX = 2**16  # bytes of an .npy header at most (numpy's own limit is 10,000)
+
+
 def read_slice(path: Path, f: np.lib.npyio.NpzFile, key: str, size: int) -> np.ndarray:
-    """One saved slice of rank file `f` (at path), checked to be float32 of shape (size,)."""
+    """One saved slice of rank file `f` (at path), checked to be float32 of shape (size,)
+    from the zip's own record and the array's header before a byte of it is read: a header
+    of shape (2**40,), or a small member that inflates to a gigabyte, allocates nothing."""
     if key not in f:
+        layer = key.rsplit(".", 1)[0]
+        if not any(k.startswith(f"{layer}.") for k in f.files):  # the manifest says it wrote it
+            raise _damaged(path, f"it holds no slice of {layer}, which the manifest says it does")
         raise CheckpointError(
             f"{path.parent}: the shards lack {key}: resume with the same optimizer"
         )
     try:
-        array = f[key]
+        stored, shape, dtype = npy_header(f, key)
     except READ_ERRORS as err:
         raise _damaged(path, f"it cannot be read: {_reason(err)}") from None
-    if array.dtype != np.float32 or array.shape != (size,):
+    if stored > size * 4 + NPY_HEADER_MAX or dtype != np.float32 or shape != (size,):
         raise _damaged(
-            path, f"{key} is {array.dtype} of shape {array.shape}, not float32 of shape ({size},)"
+            path,
+            f"{key} is {dtype} of shape {repr(shape)[:60]} in {stored:,} bytes, not float32 of"
+            f" shape ({size},)",
         )
-    return array
+    try:
+        return f[key]
+    except READ_ERRORS as err:
+        raise _damaged(path, f"it cannot be read: {_reason(err)}") from None
+
+
+def npy_header(f: np.lib.npyio.NpzFile, key: str) -> tuple[int, tuple, np.dtype]:
+    """(bytes once inflated, shape, dtype) of one array of an .npz, from the zip's directory
+    and the .npy header alone (the header's own reader caps its size)."""
+    info = f.zip.getinfo(f"{key}.npy")
+    with f.zip.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    return info.file_size, shape, dtype
 
 
 def open_rank_file(path: Path) -> np.lib.npyio.NpzFile:
@@ -562,8 +600,8 @@ def to_layout(vectors: dict[str, np.ndarray], strategy: Strategy) -> dict[str, n
 def read_losses(directory: Path, step: int) -> np.ndarray:
     """losses.npy: the float64 global loss of each of the checkpoint's `step` steps."""
     path = directory / "losses.npy"
-    try:
-        losses = np.load(path)  # allow_pickle=False
+    try:  # mapped, so a header that claims more than the file holds allocates nothing
+        losses = np.load(path, mmap_mode="r")  # allow_pickle=False
     except (ValueError, OSError, EOFError) as err:
         losses = err
     if not isinstance(losses, np.ndarray) or losses.dtype != np.float64 or losses.shape != (step,):
@@ -572,7 +610,7 @@ def read_losses(directory: Path, step: int) -> np.ndarray:
             f"{path} is a damaged checkpoint ({what}, not the float64 loss of each of its "
             f"{step} steps): resume from another one or start afresh"
         )
-    return losses
+    return np.array(losses)  # read now, and the file closed
 
 
 def _check_rng_state(state: dict, directory: Path) -> None:
@@ -623,7 +661,9 @@ def load_checkpoint(
         scaler.good_steps = manifest["loss_scaler"]["good_steps"]
     try:
         rng.set_state(manifest["rng"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{found}: its RNG state cannot be restored ({err})") from None
+    except (KeyError, TypeError, ValueError, OverflowError) as err:  # 2**300: OverflowError
+        raise CheckpointError(
+            f"{found}: its RNG state cannot be restored ({_reason(err)[:100]})"
+        ) from None
     manifest["path"] = str(found)
     return manifest

@@ -223,6 +223,7 @@ def _stop_what_a_dead_controller_left(record: dict, cluster: ipp.Cluster) -> Non
             os.killpg(pid, signal.SIGTERM)
     with contextlib.suppress(Exception):
         cluster.stop_engines_sync()  # the engine sets whose mpiexec still runs
+    end_controller_children(cluster.cluster_file)  # those connect() recorded, if it started it
 
 
 def _running_cluster(profile: str, n: int, where: dict[str, str]) -> ipp.Cluster | None:
@@ -299,6 +300,8 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
         if owned:
             stop_cluster(cluster)
         raise
+    if owned:  # now that its engines have registered, its schedulers all run
+        record_controller_children(cluster)
     ranks = Ranks(client, ids_by_rank, pids, profile, timeout, cluster if owned else None)
     if owned:
         print(
@@ -522,9 +525,50 @@ class _ProgressLine:
             sys.stdout.write("\n")
 
 
+def children_file(cluster_file: str) -> Path:
+    """Where connect() records the children of the controller it started (beside the cluster
+    file)."""
+    return Path(cluster_file).with_suffix(".children.json")
+
+
+def record_controller_children(cluster: ipp.Cluster) -> None:
+    """Write the controller's children (its schedulers: pid and start time) beside the cluster
+    file. A controller killed with SIGKILL leaves them running with parent 1, where only this
+    record finds them (never a name; the start time tells a reused pid apart)."""
+    with contextlib.suppress(psutil.Error, OSError, AttributeError, TypeError):
+        children = psutil.Process(cluster.controller.pid).children(recursive=True)
+        record = [[p.pid, p.create_time()] for p in children]
+        children_file(cluster.cluster_file).write_text(json.dumps(record))
+
+
+def end_controller_children(cluster_file: str) -> None:
+    """End the controller's recorded children that still run (SIGTERM, then SIGKILL after 5 s)
+    and remove the record."""
+    path = children_file(cluster_file)
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    running = []
+    for pid, started in record if isinstance(record, list) else []:
+        with contextlib.suppress(psutil.Error, TypeError, ValueError):
+            process = psutil.Process(int(pid))
+            if process.create_time() == started:
+                process.terminate()
+                running.append(process)
+    _, alive = psutil.wait_procs(running, timeout=5)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 def stop_cluster(cluster: ipp.Cluster) -> None:
     """Stop the engines and the controller, each even if the other fails (as when the engines
-    never started: ipyparallel's stop_cluster then skips the controller)."""
+    never started: ipyparallel's stop_cluster then skips the controller), and the controller's
+    recorded children (left running when the controller itself was killed)."""
+    recorded = cluster.cluster_file
     if not os.path.isdir(cluster.profile_dir):  # `hosts down` took the profile and the cluster
         cluster.cluster_file = ""  # so stopping writes no cluster file: it would remake the dir
     with contextlib.suppress(Exception):
@@ -533,6 +577,8 @@ def stop_cluster(cluster: ipp.Cluster) -> None:
         cluster.stop_controller_sync()
     with contextlib.suppress(Exception):
         cluster.stop_cluster_sync()  # and the cluster file
+    if recorded:
+        end_controller_children(recorded)
 
 
 def stop_when_gone(pid: int, cluster_file: str) -> subprocess.Popen:

@@ -25,10 +25,13 @@ scheduler's (0.01-0.2 ms from run to run across the hosts), which would otherwis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -261,6 +264,59 @@ def sizes_between(min_bytes: int, max_bytes: int, quick: bool = False) -> list[i
     return [s for s in (QUICK_SIZES if quick else SIZES) if min_bytes <= s <= max_bytes]
 
 
+class Terminated(Exception):
+    """This process got SIGINT, SIGTERM or SIGHUP while a job ran (args[0]: the signal's
+    number): the job is ended, then this raised."""
+
+
+def run_job(command: list[str], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    """subprocess.run(command) for a launcher, in a process group of its own that is ended
+    whole (mpiexec, its proxy and the ranks) when this process gets Ctrl-C, SIGTERM or SIGHUP,
+    or the timeout passes: a plain run leaves them running once its Python is gone."""
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,  # its own group, which killpg reaches whole
+    )
+
+    def terminated(signum, frame):
+        raise Terminated(signum)
+
+    previous, wakeup = {}, -1
+    if threading.current_thread() is threading.main_thread():  # where handlers can be set
+        ending = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, terminated) for sig in ending}
+        # `python -m fsdp_lesson` ends a training rank at once on a signal (launch.py), which
+        # here would leave the job behind: this process ends it first, then itself
+        wakeup = signal.set_wakeup_fd(-1)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except BaseException:
+        end_group(job)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if previous:
+            signal.set_wakeup_fd(wakeup)
+    return subprocess.CompletedProcess(command, job.returncode, out, err)
+
+
+def end_group(job: subprocess.Popen) -> None:
+    """End a job's process group: SIGTERM (mpiexec passes it on to the ranks), then SIGKILL to
+    whatever of the group is left after 5 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        job.wait(timeout=5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+
+
 def run(
     ranks: list[int],
     quick: bool = False,
@@ -278,12 +334,10 @@ def run(
     for n in ranks:
         start, load_before = time.perf_counter(), os.getloadavg()[0]
         command = [launcher, "-n", str(n), sys.executable, "-m", "fsdp_lesson.commbench"]
-        out = subprocess.run(
+        out = run_job(
             command
             + ["--worker", "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]
             + (["--quick"] if quick else []),
-            capture_output=True,
-            text=True,
             timeout=timeout,
             cwd=Path(__file__).resolve().parent.parent,  # where the ranks import fsdp_lesson
         )
@@ -325,7 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks: every rank count must be 2 or more")
     if len(sizes_between(args.min_bytes, args.max_bytes, args.quick)) < 2:
         parser.error("--min-bytes/--max-bytes: the range must hold two sizes of 4**k B or more")
-    points = run(args.ranks, args.quick, 900, args.mpiexec, args.min_bytes, args.max_bytes)
+    try:
+        points = run(args.ranks, args.quick, 900, args.mpiexec, args.min_bytes, args.max_bytes)
+    except (Terminated, KeyboardInterrupt) as err:
+        signum = err.args[0] if isinstance(err, Terminated) else signal.SIGINT
+        name = signal.Signals(signum).name
+        print(f"commbench: stopped by {name}; its mpiexec and ranks are ended", file=sys.stderr)
+        return 128 + signum
     fits = fit(points)
     print(table(fits))
     if args.out is not None:

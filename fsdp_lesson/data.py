@@ -105,6 +105,14 @@ def load_names(path: str | os.PathLike = DEFAULT_PATH, max_len: int = 15) -> lis
     return lines
 
 
+def excerpt(text: str, limit: int = 40) -> str:
+    """text quoted, or its first `limit` characters and its length: an error line that quotes
+    bad input stays one short line however long the input is."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
 def refuse_bad_line(path: Path, lines: list[str], max_len: int) -> None:
     """Raise a DataError naming the first line that is not 1..max_len letters a-z."""
     for number, name in enumerate(lines, start=1):
@@ -114,12 +122,12 @@ def refuse_bad_line(path: Path, lines: list[str], max_len: int) -> None:
         bad = next((ch for ch in name if ch not in ALPHABET[1:]), None)
         if bad is not None:
             raise DataError(
-                f"{where}: {name!r} contains {bad!r}; only lowercase letters a-z are allowed"
+                f"{where}: {excerpt(name)} contains {bad!r}; only lowercase letters a-z are allowed"
             )
         if len(name) > max_len:
             raise DataError(
-                f"{where}: {name!r} has {len(name)} letters; names may have at most {max_len} "
-                f"(seq_len - 1) letters: remove it or raise seq_len"
+                f"{where}: {excerpt(name)} has {len(name):,} letters; the model reads at most "
+                f"{max_len} (its context less one): shorten the name or remove the line"
             )
 
 

@@ -98,9 +98,9 @@ class Adam(Optimizer):
         m *= b1
         m += g
         g *= g  # g now holds g^2
-        v -= g  # v = b2*v + (1-b2)*g^2
-        v *= b2
-        v += g
+        g *= np.float32(1) - b2  # v = b2*v + (1-b2)*g^2, the standard float32 form; the
+        v *= b2  # rewrite b2*(v - g^2) + g^2 loses bits when g^2 >> v (tests/test_optim_flat.py:
+        v += g  # after 200 steps its v is 7.3e-5 off float64's, relative, this form's 1.3e-5)
         # p -= lr * m_hat / (sqrt(v_hat) + eps) = step_size * m / (sqrt(v) + eps * correction)
         np.sqrt(v, out=g)
         g += eps

@@ -265,13 +265,13 @@ def mesh_traffic_bytes(
 def meshes(model: Transformer, gpus: int, max_tp: int = 8) -> list[tuple[int, int, int]]:
     """Every (dp, tp, pp) of `gpus` GPUs worth planning: tp inside one 8-GPU server (its
     allreduces run every layer) and dividing the heads, pp at most one layer per stage."""
-    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    # only tp <= max_tp and pp <= the layers are tried: time in those, not in `gpus` (10^12)
     return [
         (gpus // (tp * pp), tp, pp)
-        for tp in divisors
-        if tp <= max_tp and model.heads % tp == 0
-        for pp in divisors
-        if (gpus // tp) % pp == 0 and pp <= model.layers
+        for tp in range(1, min(max_tp, gpus) + 1)
+        if gpus % tp == 0 and model.heads % tp == 0
+        for pp in range(1, min(model.layers, gpus // tp) + 1)
+        if (gpus // tp) % pp == 0
     ]
 
 

@@ -30,6 +30,9 @@ from .plan import (
 GIB = 2**30
 
 
+EXACT = 2**53  # the largest count float64 holds exactly: any flag above it is refused
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags: the model, the GPUs and mesh, and the levers of plan.mesh_gpu_bytes."""
     parser = argparse.ArgumentParser(
@@ -65,6 +68,11 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} {value}: it must be 1 or more")
+        if value is not None and value > EXACT:  # the formulas compute in floats
+            parser.error(
+                f"--{flag.replace('_', '-')} has {len(str(value))} digits: the formulas count in"
+                f" float64, exact up to 2**53 (about 9e15): use a smaller value"
+            )
     model = MODELS[args.model]
     tp, pp = args.tp or 1, args.pp or 1
     if model.heads % tp:

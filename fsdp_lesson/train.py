@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .admission import check_memory, memory_options
+from .bounds import check_model_fits
 from .checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -279,6 +280,7 @@ def prepare(
     """Every refusal a rank can reach before anything is allocated, then the data."""
     tc.validate(comm.size)
     model_config.validate()
+    check_model_fits(model_config, comm.size, tc.memory_budget_mb)  # before any dry run
     rc.validate()
     if rc.resume is None and rc.checkpoint_dir is not None and not rc.overwrite:
         existing = find_checkpoint(rc.checkpoint_dir)

@@ -259,13 +259,17 @@ def timeout_message(
     missing: (world rank, state) of the ranks that have not entered the collective, among
     those it could read (this host's); unknown: how many other ranks it could not read (on
     other hosts, or all of them without shared memory); stopped: ranks that have entered it
-    but are stopped (a non-blocking collective needs its ranks to make progress too).
+    but are stopped (a non-blocking collective needs its ranks to make progress too), or
+    stopped outside it (a pipeline: the rank that has not arrived waits on a stopped one).
     """
     head = f"rank {rank}: {what}" + (f" {where}" if where else "") + f" waited {waited:.0f} s"
     s = "s" if len(missing) > 1 else ""
     if missing:
         ranks = ", ".join(f"{r} ({state})" for r, state in missing)
         who = f"rank{s} {ranks} {'have' if s else 'has'} not arrived"
+        if stopped:  # what a running rank that has not arrived may be waiting for
+            s = "s" if len(stopped) > 1 else ""
+            who += f"; rank{s} {', '.join(map(str, stopped))} {'are' if s else 'is'} stopped"
     elif stopped:
         who = f"every rank has arrived, but rank {', '.join(map(str, stopped))} is stopped"
     else:
@@ -276,16 +280,28 @@ def timeout_message(
 
 
 def peer_timeout_message(
-    rank: int, what: str, where: str, waited: float, timeout: float, peer: int, state: str | None
+    rank: int,
+    what: str,
+    where: str,
+    waited: float,
+    timeout: float,
+    peer: int,
+    state: str | None,
+    stopped: list[int] = (),
 ) -> str:
     """The one line of a timed-out point-to-point wait: what (e.g. "recv (pp) from rank 0"),
-    where, and what the peer is doing (state None: on another host, not checked)."""
+    where, and what the peer is doing (state None: on another host, not checked); stopped:
+    other ranks of this host that are stopped, which a running peer may be waiting for (a
+    pipeline's stage waits on the next, which waits on a stopped rank of its own stage)."""
     head = f"rank {rank}: {what}" + (f" {where}" if where else "") + f" waited {waited:.0f} s"
     missing = "sent it" if what.startswith("recv") else "received it"
     if state is None:
         who = f"rank {peer} (on another host, not checked) has not {missing}"
     else:
         who = f"rank {peer} ({state}) has not {missing}"
+    if stopped:
+        s = "s" if len(stopped) > 1 else ""
+        who += f"; rank{s} {', '.join(map(str, stopped))} {'are' if s else 'is'} stopped"
     return f"{head}; {who}: every rank stops now (exit code {EXIT_TIMEOUT}, --timeout {timeout:g})"
 
 
@@ -333,6 +349,11 @@ class Watchdog:
 WATCHDOG = Watchdog()
 
 
+def stopped_ranks(arrivals: Arrivals) -> list[tuple[int, int]]:
+    """(world rank, pid) of this host's ranks that are stopped."""
+    return [(r, pid) for r, pid in arrivals.pids() if process_state(pid).startswith("stopped")]
+
+
 def end_the_job(
     comm: WatchedComm, kind: str, entered: int | Peer, waited: float, where: str
 ) -> None:
@@ -351,12 +372,13 @@ def end_the_job(
         what += f" {'from' if kind == 'recv' else 'to'} rank {peer}"
         pid = dict(arrivals.pids()).get(peer)  # known when it runs on this host
         state = None if pid is None else process_state(pid)
-        line = peer_timeout_message(rank, what, where, waited, comm.timeout, peer, state)
+        world = Arrivals._world or arrivals  # the stopped rank may be in no group of ours
+        stopped = [r for r, _ in stopped_ranks(world) if r != peer]
+        line = peer_timeout_message(rank, what, where, waited, comm.timeout, peer, state, stopped)
     else:
         missing = [(r, process_state(pid)) for r, pid in arrivals.missing(entered)]
-        stopped = []
-        if not missing:
-            stopped = [r for r, pid in arrivals.pids() if process_state(pid).startswith("stopped")]
+        world = Arrivals._world or arrivals  # a stopped rank may be in no group of ours
+        stopped = [r for r, _ in stopped_ranks(world) if r not in dict(missing)]
         readable = 1 if arrivals.table is None else len(arrivals.world_ranks)  # itself at least
         line = timeout_message(
             rank, what, where, waited, comm.timeout, missing, arrivals.size - readable, stopped

@@ -229,6 +229,29 @@ def test_connect_after_its_controller_was_killed_stops_what_that_controller_left
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
+def test_its_own_cluster_whose_controller_was_killed_leaves_no_child_of_it():
+    """connect()'s own cluster: the controller killed -9 leaves its schedulers running with
+    parent 1 (8 of them, two minutes later), which stopping the cluster cannot reach through
+    the controller; close() ends them by the pids connect() recorded."""
+    ranks = connect(n=2, profile="own-orphans", timeout=60)
+    children = []
+    try:
+        controller = ranks.cluster.controller.pid
+        children = [p.pid for p in psutil.Process(controller).children(recursive=True)]
+        assert children, "the controller has no children to leave behind"
+        os.kill(controller, signal.SIGKILL)  # the controller alone dies
+        assert wait_until_gone([controller]) == []
+        assert all(running(p) for p in children)  # orphaned, not gone with it
+    finally:
+        ranks.close()
+        left = wait_until_gone(children)
+        for pid in left:  # whatever the test found, it leaves nothing behind
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"the dead controller's children still run: {left}"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
 def test_cluster_without_mpi_engines_is_refused():
     with ipcluster(4, "local", "local"):
         with pytest.raises(ClusterError) as info:

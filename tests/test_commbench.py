@@ -1,14 +1,19 @@
 """commbench: the alpha-beta fit on known lines, the prediction, the plot, and a quick real run.
 
 Timings are never asserted on (the machine is shared); the real run checks the shape of what
-commbench measured: every kind, impl and size, with the ring model's messages and bytes.
+commbench measured: every kind, impl and size, with the ring model's messages and bytes; and
+that a signal to commbench leaves none of its job running.
 """
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from fsdp_lesson import commbench, plots
@@ -127,3 +132,46 @@ def test_quick_run_times_every_kind_with_the_ring_model(tmp_path):
             for line in impl.values():
                 assert line["alpha_s"] >= 0 and line["beta_s_per_byte"] >= 0
                 assert line["r2"] <= 1.0
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_commbench_ends_its_mpiexec_and_ranks(sig):
+    """Ended while its ranks run, commbench ends its job's whole process group first (it used
+    to leave mpiexec, its proxy and both ranks running ~30 s), then says so in one line."""
+    command = [sys.executable, "-m", "fsdp_lesson", "commbench", "--ranks", "2", "--quick"]
+    job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    seen: dict[int, psutil.Process] = {}
+    names: set[str] = set()
+    try:
+        me = psutil.Process(job.pid)
+        while job.poll() is None and len(workers(seen)) < 2:
+            with contextlib.suppress(psutil.Error):
+                for process in me.children(recursive=True):
+                    seen.setdefault(process.pid, process)
+                    names.add(process.name())
+            time.sleep(0.1)
+        assert job.poll() is None, "commbench ended before its ranks ran"
+        job.send_signal(sig)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        job.kill()
+        _, alive = psutil.wait_procs(list(seen.values()), timeout=10)
+        for process in alive:
+            process.kill()
+    assert job.returncode == 128 + sig, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"commbench: stopped by {signal.Signals(sig).name}; its mpiexec and ranks are ended"
+    )
+    assert names >= {"mpiexec", "hydra_pmi_proxy"}, names
+    assert alive == [], f"left running: {[p.pid for p in alive]}"
+
+
+def workers(processes: dict[int, psutil.Process]) -> list[int]:
+    """The pids of the commbench ranks (--worker) among processes that still run."""
+    found = []
+    for pid, process in processes.items():
+        with contextlib.suppress(psutil.Error):
+            if "--worker" in process.cmdline():
+                found.append(pid)
+    return found

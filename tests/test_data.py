@@ -78,7 +78,7 @@ def test_windows_line_endings_are_accepted(tmp_path):
         ("emma\n\nnoah\n", "line 2: blank line"),
         (
             "emma\n" + "a" * 16 + "\n",
-            "line 2: 'aaaaaaaaaaaaaaaa' has 16 letters; names may have at most 15",
+            "line 2: 'aaaaaaaaaaaaaaaa' has 16 letters; the model reads at most 15",
         ),
         ("", "is empty"),
     ],

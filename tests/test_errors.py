@@ -90,7 +90,7 @@ def test_bad_flags(case):
         ),
         (
             "long.txt",
-            "long.txt, line 2: 'aaaaaaaaaaaaaaaa' has 16 letters; names may have at most 15",
+            "long.txt, line 2: 'aaaaaaaaaaaaaaaa' has 16 letters; the model reads at most 15",
         ),
         (".", "is a directory"),
     ],

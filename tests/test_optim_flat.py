@@ -3,9 +3,13 @@
 import numpy as np
 import pytest
 
+from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.data import Dataset, GlobalBatchSampler
 from fsdp_lesson.flat import FlatParam
 from fsdp_lesson.memory import MemoryLedger
+from fsdp_lesson.model import MLP, loss_and_grads
 from fsdp_lesson.optim import BLOCK, SGD, Adam, flush_subnormals
+from fsdp_lesson.rng import make_rng
 
 
 def adam_reference(p, grads, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
@@ -131,3 +135,41 @@ def test_flush_subnormals_zeroes_only_subnormals():
     scratch = np.empty_like(x)
     flush_subnormals(x, scratch)
     assert x.tolist() == np.array([1.0, -2.0, 0, 0, 0, tiny, -tiny, 3e38], np.float32).tolist()
+
+
+def test_adam_follows_float64_adam_for_200_steps_of_the_seed_model():
+    """The seed model's own gradients fed both to float32 Adam and to textbook float64 Adam:
+    after 200 steps every parameter is within 2e-6 of float64's (1.5e-6 measured) and v within
+    3e-5 relative (the rewrite b2*(v - g^2) + g^2, which loses bits when g^2 >> v: 2.3e-6 and
+    7.3e-5, each over its bound)."""
+    model = MLP(ModelConfig())
+    rng = make_rng(42)
+    params = model.init_params(rng)
+    data = Dataset.load()
+    sampler = GlobalBatchSampler(data.X_train, data.Y_train, 32, rng)
+    adam = Adam(1e-3)
+    flat = {layer.name: FlatParam(layer.shapes) for layer in model.layers if layer.shapes}
+    p32 = {name: f.flatten(params[name]) for name, f in flat.items()}
+    state = {name: adam.init_state(f.numel, MemoryLedger(), name) for name, f in flat.items()}
+    p64 = {name: p.astype(np.float64) for name, p in p32.items()}
+    m64 = {name: np.zeros_like(p) for name, p in p64.items()}
+    v64 = {name: np.zeros_like(p) for name, p in p64.items()}
+    b1, b2, eps = adam.beta1, adam.beta2, adam.eps
+    for t in range(1, 201):
+        views = {name: f.views(p32[name]) for name, f in flat.items()} | {"relu1": {}}
+        _, grads = loss_and_grads(model, views, *sampler.next())
+        adam.start_step()
+        for name, f in flat.items():
+            g = f.flatten(grads[name])
+            g64 = g.astype(np.float64)
+            m64[name] = b1 * m64[name] + (1 - b1) * g64
+            v64[name] = b2 * v64[name] + (1 - b2) * g64**2
+            m_hat, v_hat = m64[name] / (1 - b1**t), v64[name] / (1 - b2**t)
+            p64[name] -= adam.lr * m_hat / (np.sqrt(v_hat) + eps)
+            adam.update(p32[name], g, state[name])
+    worst = max(float(np.max(np.abs(p32[name] - p64[name]))) for name in flat)
+    assert worst <= 2e-6, f"float32 Adam is {worst:.2e} from float64 Adam after 200 steps"
+    v32, v64 = np.concatenate([state[n]["v"] for n in flat]), np.concatenate(list(v64.values()))
+    held = v64 > 0  # the second moment itself, relative: 1.3e-5 here; the rewrite's 7.3e-5
+    v_off = float(np.max(np.abs(v32[held] - v64[held]) / v64[held]))
+    assert v_off <= 3e-5, f"float32 Adam's v is {v_off:.2e} off float64's, relative"

@@ -155,6 +155,8 @@ def end_everything(launcher: subprocess.Popen, ranks: dict[int, psutil.Process])
         ("zero3", 2, 1, []),
         ("zero3", 4, 2, []),
         ("zero3", 4, 1, ["--replicate", "2"]),  # sub-communicators: shard and replicate groups
+        # rank 0 waits on a recv from rank 2 (running), which waits on rank 3: both named
+        ("dp", 4, 3, ["--pp", "2", "--layers", "2"]),
     ],
 )
 def test_a_stopped_rank_ends_the_job_with_exit_code_4_and_one_line(strategy, n, stop, extra):
@@ -193,6 +195,36 @@ def test_a_stopped_rank_ends_the_job_with_exit_code_4_and_one_line(strategy, n, 
     named = re.search(r"ranks? ([\d, ()a-z]+?) ha(?:s|ve) not arrived", line)
     assert (named and f"{stop} (stopped)" in named[1]) or f"rank {stop} is stopped" in line, line
     assert " of step " in line, line  # where the loop was
+    assert left == [], f"processes still alive after the job ended: {left}"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, stop", [(2, 1), (4, 0)])
+def test_a_rank_stopped_before_mpi_init_ends_the_job_named(n, stop):
+    """MPI_Init waits for every rank holding the GIL, so no watchdog thread runs: the start-up
+    watch (startup.py), a forked watcher, ends each waiting rank with exit code 4, and the
+    lowest rank that is not stopped names the stopped one (rank 1 when rank 0 is stopped)."""
+    timeout = 5
+    worker = [sys.executable, str(ROOT / "tests" / "startup_worker.py"), str(stop), "train"]
+    command = [MPIEXEC, "-n", str(n), *worker, "--strategy", "dp", "--steps", "5"]
+    command += ["--samples", "0", "--timeout", str(timeout)]
+    job = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=rank_env())
+    ranks = {}
+    try:
+        launcher = psutil.Process(job.pid)
+        while len(ranks) < n and job.poll() is None:  # the pids, to check that none is left
+            ranks = ranks_of(launcher)
+            time.sleep(0.1)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        left = end_everything(job, ranks)
+    assert job.returncode == EXIT_TIMEOUT, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    named = min(r for r in range(n) if r != stop)
+    assert lines[0].startswith(f"rank {named}: MPI_Init waited {timeout} s; "), lines[0]
+    assert f"rank {stop} (stopped) has not arrived" in lines[0], lines[0]
+    assert f"exit code 4, --timeout {timeout}" in lines[0]
     assert left == [], f"processes still alive after the job ended: {left}"
 
 

@@ -172,13 +172,11 @@ class Strategy:
         """Everything that defines the model and the optimizer on this rank, by "layer.what" (not
         gradients, nor optimizer.t); mixed precision: the params are the fp32 master."""
         state, optimizer_sharded = {}, is_sharded(self.shard_level, "optimizer")
-        for name, params in self.param_arrays().items():
-            state[f"{name}.params"] = StateArray(
-                params, name, is_sharded(self.shard_level, "params")
-            )
-            for key, array in self.opt_state[name].items():  # mixed: "master" is the params
-                what = "params" if key == "master" else key
-                state[f"{name}.{what}"] = StateArray(array, name, optimizer_sharded)
+        for name in self.param_arrays():
+            state[f"{name}.params"] = self.params_entry(name)
+            for key, array in self.opt_state[name].items():
+                if key != "master":  # mixed: the master is the params
+                    state[f"{name}.{key}"] = StateArray(array, name, optimizer_sharded)
         return state
 
     def load_state(self, vectors: dict[str, np.ndarray], optimizer_steps: int = 0) -> None:
@@ -189,8 +187,17 @@ class Strategy:
                 self.set_from_vector(self.sixteen_bit(entry.layer), vectors[key])
         self.optimizer.t = optimizer_steps
 
+    def params_entry(self, layer: str) -> StateArray:
+        """local_state()[f"{layer}.params"] alone, without building every layer's entries
+        (init_params asks once per layer): the fp32 master under mixed precision."""
+        if self.mixed:
+            master = self.opt_state[layer]["master"]
+            return StateArray(master, layer, is_sharded(self.shard_level, "optimizer"))
+        return self.sixteen_bit(layer)
+
     def sixteen_bit(self, layer: str) -> StateArray:
-        """Mixed precision: this rank's 16-bit parameters of a layer (whole or shard)."""
+        """This rank's parameters of a layer as it computes with them (whole or shard): 16-bit
+        under mixed precision."""
         return StateArray(self.param_arrays()[layer], layer, is_sharded(self.shard_level, "params"))
 
     def init_params(self, rng: Rng) -> None:
@@ -217,7 +224,7 @@ class Strategy:
     def keep_initial(self, layer: str, arrays: Params) -> None:
         """Copy one layer's initial values into this rank's parameters: all, or its shard."""
         name, arrays = self.held_as(layer, arrays)
-        entries = [self.local_state()[f"{name}.params"]]
+        entries = [self.params_entry(name)]
         if self.mixed:  # the master and its 16-bit copy
             entries.append(self.sixteen_bit(name))
         for entry in entries:
