@@ -91,7 +91,7 @@ def check_memory(
             f"predicted before allocating anything), more than the budget of "
             f"{tc.memory_budget_mb:g} MiB: {hint}"
         )
-    available = available_memory()
+    available = agreed_available_memory(comm)
     if available is None:
         return
     allowed = available / ranks_on_this_host(comm)
@@ -141,6 +141,13 @@ def _batch_hint(model_config: ModelConfig, tc: TrainConfig, n: int, need: int) -
         return "use more ranks, a smaller model, batch or --steps"
     rows = f"{tc.batch:,} x {tc.accum:,} rows a step" if tc.accum > 1 else f"{tc.batch:,} rows"
     return f"lower --accum or --batch ({rows}, every index drawn on every rank)"
+
+
+def agreed_available_memory(comm: Comm) -> int | None:
+    """The least available memory any rank read (a collective): one figure, so that every
+    rank refuses a run with the same line, however the machine's memory moved between reads."""
+    readings = [r for r in comm.allgather_objects(available_memory()) if r is not None]
+    return min(readings) if readings else None
 
 
 def available_memory() -> int | None:
