@@ -313,7 +313,8 @@ def train_command(args) -> None:
     # a collective under sharding: every rank takes part, one layer gathered at a time, and only
     # when params.npz is asked for; only rank 0, which writes it, keeps the copies
     params = whole_params(strategy) if args.out is not None else {}
-    per_rank = gather_objects(comm, {"memory": history.memory, "traffic": history.traffic})
+    mine = {"memory": history.memory, "traffic": history.traffic, "trace": history.trace}
+    per_rank = gather_objects(comm, mine)
     if comm.rank == 0:
         say_between_hosts(say, [r["traffic"] for r in per_rank])
 
@@ -330,13 +331,15 @@ def train_command(args) -> None:
 def write_out(
     out: Path, history: History, per_rank: list[dict], params: dict, say: Callable[[str], None]
 ) -> None:
-    """history.json (every rank's memory and traffic with it) and params.npz into out, as
-    checkpoints are written: no torn file, even on a full disk."""
+    """history.json (every rank's memory, traffic and --trace-step spans with it, in rank
+    order) and params.npz into out, as checkpoints are written: no torn file, even on a full
+    disk."""
     from .checkpoint import write_atomically, write_failure
 
     record = history.to_dict() | {
         "memory": [r["memory"] for r in per_rank],
         "traffic": [r["traffic"] for r in per_rank],
+        "trace": [r["trace"] for r in per_rank],
     }
     text = json.dumps(record, indent=1, allow_nan=False).encode()
     arrays = {f"{layer}.{k}": v for layer, p in params.items() for k, v in p.items()}

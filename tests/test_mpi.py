@@ -246,6 +246,19 @@ def test_cli_out_has_per_rank_memory_and_traffic(tmp_path):
     assert params["fc1.W"].shape == (256, 64)
 
 
+def test_cli_out_has_every_ranks_trace(tmp_path):
+    """--trace-step S: history.json holds each rank's compute and collective spans of step S,
+    in rank order, as the README says (not rank 0's alone)."""
+    args = ["-m", "fsdp_lesson", "train", "--strategy", "zero3", "--steps", "4"]
+    args += ["--trace-step", "2", "--samples", "0", "--out", str(tmp_path)]
+    result = mpiexec(2, *args, timeout=120)
+    assert result.returncode == 0, result.stderr
+    traces = json.loads((tmp_path / "history.json").read_text())["trace"]
+    assert len(traces) == 2 and all(traces), "one non-empty list of spans per rank"
+    for trace in traces:
+        assert {"compute", "comm"} <= {lane for lane, *_ in trace}, trace[:3]
+
+
 def test_zero3_gathers_rise_and_fall_at_most_two_layers_at_a_time(world):
     """With prefetch, a layer's full parameters are held from its gather (or prefetch) to its
     release: forward emb, fc1, fc2 and backward fc2, fc1, emb; ReLUs gather nothing."""
