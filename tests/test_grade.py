@@ -33,7 +33,6 @@ import student  # noqa: E402  (tools/student.py)
 LESSONS = [ROOT / "notebooks" / "01_dataset.ipynb", ROOT / "notebooks" / "02_single_rank_mlp.ipynb"]
 STUB = "None  # YOUR CODE HERE"
 N_ROWS_HINT = "count the tokens of a name, the boundary included"
-RANK_HINT = "rank r keeps the rows b with b % N == r"
 MPIEXEC = shutil.which(
     "mpiexec", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 )
@@ -192,7 +191,7 @@ def test_a_wrong_answer_fails_with_its_message_and_a_stub_is_not_solved_yet(grad
     rows = graded["rows"]
     wrong = rows["wrong", "01_dataset.ipynb"]
     assert wrong["n_rows"] == f"fail: item 0: one too few (and 2 more) — {N_ROWS_HINT}"
-    assert wrong["rank 2 of 8"] == f"fail: {NOT_SOLVED} — {RANK_HINT}"
+    assert wrong["rank 2 of 8"] == f"fail: {NOT_SOLVED}"  # a stub gets no hint
     assert (wrong["total"], wrong["note"]) == ("0/2", "")
     stubs = rows["wrong", "02_single_rank_mlp.ipynb"]
     assert stubs["count_params"].startswith(f"fail: {NOT_SOLVED}")
@@ -232,7 +231,7 @@ def test_the_report_has_a_table_per_lesson_and_nothing_is_left_behind(graded):
     assert "| submission | notebook | n_rows | rank 2 of 8 | total | note |" in md
     assert (
         f"| wrong | 01_dataset.ipynb | fail: item 0: one too few (and 2 more) — {N_ROWS_HINT} | "
-        f"fail: {NOT_SOLVED} — {RANK_HINT} | 0/2 |  |"
+        f"fail: {NOT_SOLVED} | 0/2 |  |"
     ) in md
     assert len(graded["rows"]) == 6
     assert graded["unchanged"], "grade.py changed the submissions"
