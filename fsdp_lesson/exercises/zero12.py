@@ -78,11 +78,11 @@ def check_zero1_update(ranks) -> bool:
     return _verdict("zero1_update", found, f"correct on all {ranks.n} ranks")
 
 
-def check_padding_bug(ranks, bug_rank, bug_element) -> bool:
+def check_padding_bug(n: int, bug_rank, bug_element) -> bool:
     """Exercise 2: which rank's shard and which element of fc2's padded flat vector carried
-    the leftover of the unzeroed buffer (the layout's, on this cluster's N)."""
+    the leftover of the unzeroed buffer, on n ranks."""
     fc2 = {layer.name: layer for layer in MLP(ModelConfig()).layers}["fc2"]
-    padded = FlatParam(fc2.shapes, ranks.n)
+    padded = FlatParam(fc2.shapes, n)
     owner = padded.numel // padded.shard_size  # the rank whose slice holds the padding
     return check(
         "rank and element",
