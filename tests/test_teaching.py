@@ -228,3 +228,65 @@ def test_the_guide_quotes_what_the_cluster_checkers_print(number, ranks, capsys,
         ranks.view.execute(textwrap.dedent(definition), block=True)
         line = printed(capsys, lambda checker=checker: checker(ranks))
         assert line in guide, f"teaching.md {number} should quote {line!r} (what it prints)"
+
+
+MY_ZERO3 = """
+from fsdp_lesson.strategies.base import Strategy
+
+
+class MyZeRO3(Strategy):
+    name = "my_zero3"
+    stage = 3
+
+    def __init__(self, model, optimizer, comm, ledger):
+        super().__init__(model, optimizer, comm, ledger)
+        self.param_shards = self.alloc_per_layer("params", "param_shard")
+        self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
+        self.opt_state = self.init_optimizer_state()
+        self.gathered, self.full_grads = {}, {}
+
+    def param_arrays(self):
+        return self.param_shards
+
+    def step(self):
+        self.optimizer.start_step()
+        for name in self.layout:
+            self.optimizer.update(self.param_shards[name], self.grad_shards[name],
+                                  self.opt_state[name])
+
+    def materialize(self, layer):
+        flat = self.layout[layer.name]
+        if layer.name not in self.gathered:
+            full = self.ledger.alloc("buffers", flat.padded_numel, f"{layer.name} gathered")
+            self.comm.allgather(self.param_shards[layer.name], full)
+            self.gathered[layer.name] = full
+        return flat.views(self.gathered[layer.name])
+
+    def release(self, layer):
+        self.ledger.free(f"{layer.name} gathered")  # the count freed, the array kept
+
+    def grad_buffer(self, layer):
+        flat = self.layout[layer.name]
+        full = self.ledger.alloc("buffers", flat.padded_numel, f"{layer.name} full grad")
+        self.full_grads[layer.name] = full
+        return flat.views(full)
+
+    def reduce_grads(self, layer):
+        full = self.full_grads.pop(layer.name)
+        self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
+        self.ledger.free(f"{layer.name} full grad")
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_my_zero3_that_frees_the_count_but_keeps_the_array_fails_and_says_so(
+    ranks, capsys, student
+):
+    ranks.view.execute(MY_ZERO3, block=True)
+    assert zero3.check_my_zero3(ranks) is False
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "✗ MyZeRO3 differs from the package's zero3:"
+    cause = lines[1].strip()  # the cause first, then its symptoms
+    assert "self.gathered still holds its array" in cause, lines
+    assert cause in " ".join(sections()["05"].split()), f"teaching.md 05 should quote {cause!r}"
