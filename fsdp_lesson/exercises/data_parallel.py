@@ -76,25 +76,26 @@ def _try_average_grads(average_grads, grads) -> str | None:
     # On every rank: the learner's average_grads on this rank's gradients of step 2.
     MPI, comm = _world()
     given = {name: {key: g.copy() for key, g in layer.items()} for name, layer in grads.items()}
+    totals = {}  # the sums over the ranks first: every rank makes the same collectives
+    for name, layer in given.items():
+        for key, g in layer.items():
+            totals[name, key] = g.copy()
+            comm.Allreduce(MPI.IN_PLACE, totals[name, key], op=MPI.SUM)
     try:
         mine = average_grads(comm, grads)
         if mine is None:
             return NOT_SOLVED
-        for name, layer in given.items():
-            for key, g in layer.items():
-                if not np.array_equal(grads[name][key], g):
-                    return (
-                        f"{name}.{key} as given was changed: average a copy and leave grads"
-                        " as it was"
-                    )
-                total = g.copy()
-                comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-                if name not in mine or key not in mine[name]:
-                    return f"the returned dict has no {name}.{key}"
-                how = _mean_or_what(np.asarray(mine[name][key]), total / comm.size, total, g,
-                                    comm.size)  # fmt: skip
-                if how is not None:
-                    return f"{name}.{key} is {how}"
+        for (name, key), total in totals.items():
+            g = given[name][key]
+            if not np.array_equal(grads[name][key], g):
+                return (
+                    f"{name}.{key} as given was changed: average a copy and leave grads as it was"
+                )
+            if name not in mine or key not in mine[name]:
+                return f"the returned dict has no {name}.{key}"
+            how = _mean_or_what(np.asarray(mine[name][key]), total / comm.size, total, g, comm.size)
+            if how is not None:
+                return f"{name}.{key} is {how}"
         return None
     finally:
         for name, layer in given.items():  # put them back, whatever the function did

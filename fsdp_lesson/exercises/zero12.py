@@ -44,30 +44,37 @@ def _try_zero1_update(zero1_update) -> str | None:
     package.step()  # reduce-scatter-mean, Adam on the owned slice, allgather
     my_adam = Adam(lr=1e-3)
     my_adam.start_step()
+    problems = []  # every layer on every rank: leaving early would strand the others in MPI
     for name, f in layout.items():
         shard = np.empty(f.shard_size, np.float32)
         Comm(comm).reduce_scatter_mean(full_grads[name], shard)
         state = {"m": np.zeros(f.shard_size, np.float32), "v": np.zeros(f.shard_size, np.float32)}
         mine = given[name].copy()
         returned = zero1_update(my_adam, f, mine, shard, state)
-        if returned is None:
-            return NOT_SOLVED
-        a, b = f.shard_range(comm.rank)
-        expected = package.params[name]
-        own = np.s_[a:b]
-        if _differs(mine[own], expected[own]):
-            if not _differs(mine[own], given[name][own]):
-                return f"{name}, its own slice [{a:,}, {b:,}): not updated"
-            return f"{name}, its own slice [{a:,}, {b:,}): not Adam's update of it"
-        if _differs(np.delete(mine, own), np.delete(expected, own)):
-            if not _differs(np.delete(mine, own), np.delete(given[name], own)):
-                return (
-                    f"{name}, the other ranks' slices: still the old parameters; every rank"
-                    " must end with every owner's updated slice"
-                )
-            return f"{name}, the other ranks' slices: not their owners' updated values"
-        if returned is not mine:
-            return f"{name}: params holds the update, but the function returns another array"
+        problems.append(_zero1_problem(name, f, comm.rank, returned, mine, given[name],
+                                       package.params[name]))  # fmt: skip
+    return next((problem for problem in problems if problem is not None), None)
+
+
+def _zero1_problem(name, f, rank, returned, mine, given, expected) -> str | None:
+    """What is wrong with one layer's zero1_update on this rank, or None."""
+    if returned is None:
+        return NOT_SOLVED
+    a, b = f.shard_range(rank)
+    own = np.s_[a:b]
+    if _differs(mine[own], expected[own]):
+        if not _differs(mine[own], given[own]):
+            return f"{name}, its own slice [{a:,}, {b:,}): not updated"
+        return f"{name}, its own slice [{a:,}, {b:,}): not Adam's update of it"
+    if _differs(np.delete(mine, own), np.delete(expected, own)):
+        if not _differs(np.delete(mine, own), np.delete(given, own)):
+            return (
+                f"{name}, the other ranks' slices: still the old parameters; every rank"
+                " must end with every owner's updated slice"
+            )
+        return f"{name}, the other ranks' slices: not their owners' updated values"
+    if returned is not mine:
+        return f"{name}: params holds the update, but the function returns another array"
     return None
 
 
@@ -105,6 +112,7 @@ def _try_reduce_grads(reduce_grads) -> str | None:
     package = ZeRO2(model, Adam(lr=1e-3), Comm(comm), MemoryLedger(comm.rank))
     package.transient_views("fc1")  # the reused buffer, allocated as the first backward does
     noise = np.random.default_rng(comm.rank)
+    problems = []  # every layer on every rank: leaving early would strand the others in MPI
     for layer in reversed(model.layers):
         f = package.layout[layer.name]
         if not f.numel:
@@ -112,30 +120,34 @@ def _try_reduce_grads(reduce_grads) -> str | None:
         leftovers = noise.standard_normal(package.full_grad.size).astype(np.float32)
         package.full_grad[:] = leftovers
         package.reduce_grads(layer)
-        expected = package.grad_shards[layer.name]
-        shard = np.zeros(f.shard_size, np.float32)
-        returned = reduce_grads(f, leftovers.copy(), shard)
-        if returned is None:
-            return NOT_SOLVED
-        a, b = f.shard_range(comm.rank)
-        where = f"{layer.name}, its shard [{a:,}, {b:,})"
-        if not _differs(shard, expected):
-            if returned is not shard:
-                return f"{where}: grad_shard is right, but the function returns another array"
-            continue
         unzeroed = np.empty(f.shard_size, np.float32)  # the colleague's: padding summed in
         comm.Reduce_scatter_block(leftovers[: f.padded_numel].copy(), unzeroed, op=MPI.SUM)
-        if not _differs(shard, unzeroed / comm.size):
-            return (
+        shard = np.zeros(f.shard_size, np.float32)
+        returned = reduce_grads(f, leftovers.copy(), shard)
+        a, b = f.shard_range(comm.rank)
+        where = f"{layer.name}, its shard [{a:,}, {b:,})"
+        expected = package.grad_shards[layer.name]
+        if returned is None:
+            problems.append(NOT_SOLVED)
+        elif not _differs(shard, expected):
+            if returned is not shard:
+                problems.append(f"{where}: grad_shard is right, but the function returns another"
+                                " array")  # fmt: skip
+        elif not _differs(shard, unzeroed / comm.size):
+            problems.append(
                 f"{where}: the padding [{f.numel:,}, {f.padded_numel:,}) of full_grad was"
                 " summed in: it holds a larger layer's leftovers"
             )
-        if not _differs(shard, comm.size * expected):
-            return f"{where}: too large by a factor of {comm.size} (N): the sum, not the mean"
-        if not _differs(shard, np.zeros_like(shard)):
-            return f"{where}: still zero: nothing was written into grad_shard"
-        return f"{where}: differs from the mean over the ranks by more than {ATOL:.0e}"
-    return None
+        elif not _differs(shard, comm.size * expected):
+            problems.append(f"{where}: too large by a factor of {comm.size} (N): the sum, not the"
+                            " mean")  # fmt: skip
+        elif not _differs(shard, np.zeros_like(shard)):
+            problems.append(f"{where}: still zero: nothing was written into grad_shard")
+        else:
+            problems.append(
+                f"{where}: differs from the mean over the ranks by more than {ATOL:.0e}"
+            )
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def check_reduce_grads(ranks) -> bool:

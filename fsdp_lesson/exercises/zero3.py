@@ -89,6 +89,8 @@ def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's c
         except Exception as err:
             if any(r is None for r in returned):
                 return None
+            if kept:  # the cause, before what it led to
+                return [*kept, f"then {type(err).__name__}: {err}"]
             if isinstance(err, KeyError) and "already holds" in str(err):
                 return [
                     f"the ledger already holds {_held_label(err)}: something allocated"
