@@ -194,6 +194,11 @@ CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
          "        for g in layer.values():\n"
          "            comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)\n            g /= comm.size\n"
          "    return grads", data_parallel.check_average_grads),
+        ("def average_grads(comm, grads):\n"
+         "    mean = {n: {k: g.copy() for k, g in layer.items()} for n, layer in grads.items()}\n"
+         "    for layer in mean.values():\n        for g in layer.values():\n"
+         "            comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)\n    return mean",
+         data_parallel.check_average_grads),
     ],
     "04": [
         ("def zero1_update(adam, flat, params, grad_shard, state):\n"
