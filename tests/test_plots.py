@@ -258,6 +258,12 @@ def test_memory_bars_mark_the_peak_at_one_moment_and_say_what_they_stack():
     assert [segment[0][1] for segment in moment.get_segments()] == [950, 960]
     assert "stacked" in ax.get_title() and "not one moment" in ax.get_title()
     assert "peak at one moment" in [t.get_text() for t in ax.get_legend().get_texts()]
+    from fsdp_lesson.plots import PAPER_FORMULA, formula_legend
+
+    both = {"zero2": [peak] * 2, "zero3": [peak] * 2}
+    fig = memory_bars(both, formula={"zero2": peak}, at_once={"zero2": [950] * 2, "zero3": [9] * 2})
+    labels = [t.get_text() for t in formula_legend(fig).axes[0].get_legend().get_texts()]
+    assert labels.count("peak at one moment") == 1 and labels.count(PAPER_FORMULA) == 1, labels
 
 
 def test_memory_timeline_starts_its_axis_at_zero():
