@@ -3,6 +3,7 @@
     compare("fc1.W", a, b)            fc1.W      equal within 1e-06 | bit-identical | DIFFERS ...
     check("n_rows", answer, expected) ✓ n_rows: correct | ✗ n_rows: item 2 too small — hint
     claim("zero3 < zero2", z3 < z2)   ✓ zero3 < zero2 | ✗ claim does not hold: zero3 < zero2
+    model_vector(params)              {layer: {key: array}} -> one vector, to compare models
 
 Each prints one line whose text is the same on every machine: a verdict against the tolerance,
 never the rounding residue itself (its last digits depend on the CPU's BLAS kernels; `residue`
@@ -71,6 +72,15 @@ def compare(name: str, a, b, atol: float = 1e-6, exact: bool = False, expect: bo
         return fail(line)
     print(line)
     return False
+
+
+def model_vector(params: dict) -> np.ndarray:
+    """All of a model's parameters (or gradients), {layer: {key: array}}, as one vector in a
+    fixed order: by layer name, then key (not dict order: dicts pulled from the engines come
+    back with their keys sorted), so that two models compare with one `compare`."""
+    return np.concatenate(
+        [np.ravel(params[layer][key]) for layer in sorted(params) for key in sorted(params[layer])]
+    )
 
 
 def claim(text: str, condition) -> None:
@@ -181,12 +191,13 @@ def _show(value) -> str:
 def check(name: str, answer, expected, hint: str = "", atol: float | None = None) -> bool:
     """Print `✓ name: correct`, or `✗ name: ` where and how the answer is wrong, and the hint.
 
-    An answer still None or ... (the exercise's placeholder) prints `✗ name: not solved yet`.
+    An answer still None or ... (the exercise's placeholder) prints `✗ name: not solved yet`
+    and nothing more: a hint is for a wrong answer, never a stub's (it might solve it).
     Arrays compare elementwise (within atol if given). The expected value is never printed.
     """
     tail = f" — {hint}" if hint else ""
     if not_solved(answer):
-        return fail(f"✗ {name}: {NOT_SOLVED}{tail}")
+        return fail(f"✗ {name}: {NOT_SOLVED}")
     if _equal(answer, expected, atol):
         print(f"✓ {name}: correct")
         return True
@@ -195,9 +206,10 @@ def check(name: str, answer, expected, hint: str = "", atol: float | None = None
 
 def verdict(name: str, per_rank: list, hint: str, atol: float = 1e-6) -> bool:
     """One line for an exercise checked on every rank: per_rank[r] lists (what, answer,
-    expected) computed on rank r; the first shape or value that differs is named."""
+    expected) computed on rank r; the first shape or value that differs is named (a
+    placeholder prints NOT_SOLVED alone, without the hint)."""
     if any(not_solved(answer) for items in per_rank for _, answer, _ in items):
-        return fail(f"✗ {name}: {NOT_SOLVED} — {hint}")
+        return fail(f"✗ {name}: {NOT_SOLVED}")
     for r, items in enumerate(per_rank):
         for what, answer, expected in items:
             answer, expected = np.asarray(answer), np.asarray(expected)

@@ -250,6 +250,30 @@ def test_formula_legend_names_the_dashed_line_and_keeps_it_in_the_frame():
     fig.canvas.draw()
 
 
+def test_memory_bars_mark_the_peak_at_one_moment_and_say_what_they_stack():
+    peak = dict(params=400, grads=400, optimizer=0, activations=100, buffers=300)
+    fig = memory_bars({"zero2": [peak] * 2}, at_once={"zero2": [950, 960]})
+    ax = fig.axes[0]
+    (moment,) = ax.collections  # no formula: the only line collection is the peak at one moment
+    assert [segment[0][1] for segment in moment.get_segments()] == [950, 960]
+    assert "stacked" in ax.get_title() and "not one moment" in ax.get_title()
+    assert "peak at one moment" in [t.get_text() for t in ax.get_legend().get_texts()]
+    from fsdp_lesson.plots import PAPER_FORMULA, formula_legend
+
+    both = {"zero2": [peak] * 2, "zero3": [peak] * 2}
+    fig = memory_bars(both, formula={"zero2": peak}, at_once={"zero2": [950] * 2, "zero3": [9] * 2})
+    labels = [t.get_text() for t in formula_legend(fig).axes[0].get_legend().get_texts()]
+    assert labels.count("peak at one moment") == 1 and labels.count(PAPER_FORMULA) == 1, labels
+
+
+def test_memory_timeline_starts_its_axis_at_zero():
+    from fsdp_lesson.plots import memory_timeline
+
+    timeline = [("hold x", 300_000), ("hold dlogits", 310_000), ("free x", 290_000)]
+    ax = memory_timeline({"dp": timeline}).axes[0]
+    assert ax.get_ylim()[0] == 0  # an 18 kB rise is not drawn as tall as a 150 kB one
+
+
 def test_memory_timeline_shades_backward_from_dlogits():
     from fsdp_lesson.plots import memory_timeline
 

@@ -317,6 +317,9 @@ def test_student_copy_runs_on_the_cluster_and_every_checker_says_not_solved(teac
         printed = output_text([cell])
         if NOT_SOLVED in printed:
             pending = None
+        for line in printed.splitlines():  # "not solved yet" and nothing that might solve it
+            if NOT_SOLVED in line:
+                assert line.rstrip().endswith(NOT_SOLVED), f"{path.name}: a stub's hint: {line}"
         for line in printed.splitlines():  # a verdict the teacher's run did not print
             if ("✗" in line or "DIFFERS" in line) and line not in teacher_output:
                 assert NOT_SOLVED in line, f"{path.name}: a stub gives a wrong answer: {line}"

@@ -66,8 +66,15 @@ YOUR_CODE = "# YOUR CODE HERE"
 MARKER_WORDS = re.compile(r"(BEGIN|END) SOLUTION")
 # The first code cell of every student copy: in the teacher's notebooks a failed checker raises
 # (fsdp_lesson.checks.STRICT); here a wrong or missing answer prints ✗ and the notebook goes on.
+# It loads numpy (through checks) before the notebook's own first cell, so it sets first what
+# that cell sets before numpy loads (02, 10): one BLAS thread, without which a busy machine runs
+# notebook 02's 25,000 steps many times slower (900 s and more at load 30).
 STUDENT_MODE = (
     "# A student copy: a checker that finds a wrong or missing answer prints ✗ and goes on.\n"
+    "import os\n"
+    "\n"
+    'os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy loads: tiny matrices\n'
+    "\n"
     "from fsdp_lesson import checks\n"
     "\n"
     "checks.STRICT = False"

@@ -36,8 +36,9 @@ def formula_legend(fig: Figure, meaning: str = PAPER_FORMULA) -> Figure:
     """Say in the legend what the dashed line of memory_bars/traffic_bars is, and keep it
     inside the frame (a little headroom above the tallest bar or line)."""
     ax = fig.axes[0]
-    for collection in ax.collections:  # the dashed formula lines
-        collection.set_label(meaning)
+    for collection in ax.collections:  # the dashed formula lines (not memory_bars' moments)
+        if collection.get_label() == "formula":
+            collection.set_label(meaning)
     top = max([p.get_y() + p.get_height() for p in ax.patches if p.get_height()] or [0.0])
     lines = [y for c in ax.collections for s in c.get_segments() for _, y in s]
     ax.set_ylim(0, 1.08 * max([top, *lines]))

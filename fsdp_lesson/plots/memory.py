@@ -15,8 +15,15 @@ CATEGORY_COLORS = dict(
 )
 
 
-def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None = None) -> Figure:
-    """For each label, one stacked bar per rank (bytes by category); formula totals as lines."""
+def memory_bars(
+    reports: dict[str, list[dict]],
+    formula: dict[str, dict] | None = None,
+    at_once: dict[str, list[int]] | None = None,
+) -> Figure:
+    """For each label, one stacked bar per rank: each category's own peak (the ledger's
+    `peak`), stacked; formula totals as dashed lines. The categories peak at different
+    moments, so the stack can stand above any one moment's memory: `at_once` (the ledger's
+    `peak_total` per rank) marks the most bytes alive at one moment on each bar."""
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * sum(map(len, reports.values()))), 3.8))
     x, ticks, labels, lines, groups = 0, [], [], [], []  # lines: (total, from x, to x)
     for group, (label, per_rank) in enumerate(reports.items()):
@@ -27,6 +34,9 @@ def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None 
             legend = category if group == 0 else None
             ax.bar(xs, heights, 0.8, bottom, color=CATEGORY_COLORS[category], label=legend)
             bottom += heights
+        if at_once and label in at_once:
+            ax.hlines(at_once[label], xs - 0.4, xs + 0.4, color="black", lw=2.5,
+                      label="peak at one moment" if group == 0 else None)  # fmt: skip
         if formula and label in formula:
             lines.append((sum(formula[label].values()), xs[0] - 0.45, xs[-1] + 0.45))
         ticks += list(xs)
@@ -39,7 +49,9 @@ def memory_bars(reports: dict[str, list[dict]], formula: dict[str, dict] | None 
     names.set_xticks(*zip(*groups, strict=True))
     names.tick_params(length=0, pad=16)
     names.spines["bottom"].set_visible(False)
-    return _finish(fig, ax, "peak kB per rank", "memory per rank by category (ledger peaks)")
+    return _finish(
+        fig, ax, "kB per rank", "each category's peak per rank, stacked (not one moment's memory)"
+    )
 
 
 def bytes_per_parameter(precisions: dict) -> Figure:
@@ -98,7 +110,9 @@ def lever_bars(
     _formula_lines(ax, lines)
     ax.set_xticks(ticks, labels, fontsize=7)
     ax.set_xlabel("rank (configuration below)", labelpad=22)
-    return _finish(fig, ax, "peak kB per rank", "memory per rank by lever (ledger peaks)")
+    return _finish(
+        fig, ax, "kB per rank", "each lever's category peaks per rank, stacked (ledger peaks)"
+    )
 
 
 def activation_vs_batch(
@@ -118,7 +132,7 @@ def activation_vs_batch(
 def memory_timeline(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
     """Live bytes on a rank at every ledger event of one step, a panel per strategy; the
     backward pass shaded from the event "hold dlogits"; zero3's gathers (the events
-    "hold <layer> gathered") dotted."""
+    "hold <layer> gathered") dotted. Every panel's axis starts at zero."""
     widths = [len(t) for t in timelines.values()]
     fig, axes = plt.subplots(1, len(timelines), figsize=(13, 4.4), width_ratios=widths)
     for ax, (label, timeline) in zip(np.atleast_1d(axes), timelines.items(), strict=True):
@@ -134,8 +148,7 @@ def memory_timeline(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
                 ax.axvline(i, color=KIND_COLORS["allgather"], ls=":", lw=1.2)
         ax.set_xticks(range(len(events)), events, rotation=90, fontsize=7.5)
         ax.set_xlim(-0.5, len(events) - 0.5)
-        span = max(live) - min(live)
-        ax.set_ylim(min(live) - 0.3 * span, max(live) + 0.1 * span)
+        ax.set_ylim(0, 1.1 * max(live))  # from zero: a rise is drawn as large as it is
         ax.yaxis.set_major_formatter(KB)
         ax.set_ylabel("kB live on each rank")
         gathers = any(e.startswith("hold") and e.endswith(" gathered") for e in events)

@@ -1,0 +1,193 @@
+"""Notebook 05's exercises (ZeRO-3): each checker computes the expected answer with the package
+(its zero3 strategy, the planner), runs the learner's code where it lives, and says where and
+how an answer is wrong, never what is right."""
+
+from __future__ import annotations
+
+import numpy as np
+from ipyparallel import Reference
+
+from .. import plan
+from ..checks import NOT_SOLVED, check, fail
+from ..config import ModelConfig
+
+OPTIONS = {"dp": {}, "zero2": {}, "zero3": {"prefetch": False}}  # notebook 05's zero3
+
+
+def _held_label(err: KeyError) -> str:
+    """The label of the ledger's "ledger already holds 'fc1 gathered'", quotes included."""
+    text = str(err.args[0]) if err.args else ""
+    return text.partition("holds ")[2] or "a label"
+
+
+def _kept(strategy, hook: str, store: str, problems: list[str]):
+    """hook, which afterwards notes a layer that strategy.<store> still holds: its memory is
+    alive whatever the ledger says."""
+    original = getattr(strategy, hook)
+
+    def call(layer):
+        returned = original(layer)
+        if layer.name in getattr(strategy, store, {}) and len(problems) < 1:
+            problems.append(
+                f"after {hook}({layer.name}), self.{store} still holds its array:"
+                " the ledger freed the count, but the array is still alive"
+            )
+        return returned
+
+    return call
+
+
+def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's class)
+    # On every rank: the package's ZeRO3 (no prefetch) and the learner's MyZeRO3 train the same
+    # `steps` Adam steps. None while a hook still returns None; else a list of what differs.
+    from ..comm import Comm
+    from ..data import Dataset, GlobalBatchSampler, rank_slice
+    from ..memory import MemoryLedger
+    from ..model import MLP
+    from ..optim import Adam
+    from ..rng import make_rng
+    from ..strategies import zero3
+    from ..train import train_step
+
+    data, outcome, kept = Dataset.load(), {}, []
+
+    def watched(hook, returned):  # hook, which also appends what it returns to `returned`
+        def call(layer):
+            returned.append(hook(layer))
+            return returned[-1]
+
+        return call
+
+    def snapshot_then(step, grad_shards, into):  # step, after copying the gradient shards
+        def call():
+            into.update({name: shard.copy() for name, shard in grad_shards.items()})
+            step()
+
+        return call
+
+    for label, strategy_class, options in (("zero3", zero3.ZeRO3, OPTIONS["zero3"]),
+                                           ("yours", MyZeRO3, {})):  # fmt: skip
+        comm, model, rng = Comm.world(), MLP(ModelConfig()), make_rng(42)
+        ledger = MemoryLedger(comm.rank)
+        strategy = strategy_class(model, Adam(lr=1e-3), comm, ledger, **options)
+        strategy.load_params(model.init_params(rng))
+        sampler = GlobalBatchSampler(data.X_train, data.Y_train, 32, rng)
+        returned = []  # what materialize and grad_buffer return: None means not solved yet
+        if label == "yours":
+            for hook in ("materialize", "grad_buffer"):
+                setattr(strategy, hook, watched(getattr(strategy, hook), returned))
+            strategy.release = _kept(strategy, "release", "gathered", kept)
+            strategy.reduce_grads = _kept(strategy, "reduce_grads", "full_grads", kept)
+        reduced = {}  # the gradient shards as the update found them (Adam uses them as scratch)
+        strategy.step = snapshot_then(strategy.step, strategy.grad_shards, reduced)
+        losses = []
+        try:
+            for _ in range(steps):
+                X, Y = sampler.next()
+                X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
+                losses.append(train_step(model, strategy, X, Y))
+        except Exception as err:
+            if any(r is None for r in returned):
+                return None
+            if kept:  # the cause, before what it led to
+                return [*kept, f"then {type(err).__name__}: {err}"]
+            if isinstance(err, KeyError) and "already holds" in str(err):
+                return [
+                    f"the ledger already holds {_held_label(err)}: something allocated"
+                    " under that label was never freed"
+                ]
+            return [f"{type(err).__name__}: {err}"]
+        if any(r is None for r in returned):
+            return None
+        outcome[label] = (losses, strategy.param_shards, reduced, comm.traffic_report(),
+                          ledger.peak)  # fmt: skip
+    (losses, params, grads, traffic, peak) = outcome["zero3"]
+    (my_losses, my_params, my_grads, my_traffic, my_peak) = outcome["yours"]
+    problems = list(kept)
+    for kind in sorted(set(traffic) | set(my_traffic)):
+        want = {k: traffic.get(kind, {}).get(k, 0) for k in ("calls", "buffer_bytes")}
+        got = {k: my_traffic.get(kind, {}).get(k, 0) for k in ("calls", "buffer_bytes")}
+        if got != want:
+            problems.append(
+                f"{kind}: {got['calls']} calls moving {got['buffer_bytes']:,} bytes,"
+                f" zero3 makes {want['calls']} moving {want['buffer_bytes']:,}"
+            )
+    for category in peak:
+        if my_peak[category] != peak[category]:
+            more = "more" if my_peak[category] > peak[category] else "less"
+            problems.append(
+                f"the ledger's peak of {category} is {more} than zero3's: something "
+                f"is held {'too long or twice' if more == 'more' else 'uncounted'}"
+            )
+    for name in params:
+        if params[name].size and not np.max(np.abs(my_grads[name] - grads[name])) <= 1e-6:
+            problems.append(f"{name}'s gradient shard at the last update differs by more than 1e-6")
+    problems += [f"step {step}: the loss differs from zero3's by more than 1e-6"
+                 for step, (mine, loss) in enumerate(zip(my_losses, losses, strict=True))
+                 if not abs(mine - loss) <= 1e-6]  # fmt: skip
+    problems += [f"{name}'s parameter shard after {steps} steps differs by more than 1e-6"
+                 for name in params if params[name].size
+                 and not np.max(np.abs(my_params[name] - params[name])) <= 1e-6]  # fmt: skip
+    return problems
+
+
+def check_my_zero3(ranks) -> bool:
+    """Exercise 1: the engines' MyZeRO3 against the package's zero3 (prefetch=False), 3 Adam
+    steps on every rank: prints ✓, "not solved yet", or what differs (the cause first)."""
+    try:
+        verdicts = ranks.run(_my_zero3_problems, Reference("MyZeRO3"), timeout=120)
+    except Exception as err:
+        return fail(f"✗ MyZeRO3: the engines raised {str(err).splitlines()[0]}")
+    if any(verdict is None for verdict in verdicts):
+        return fail(f"✗ MyZeRO3: {NOT_SOLVED}")
+    if all(problems == verdicts[0] for problems in verdicts):  # the usual case: say it once
+        wrong = [f"  every rank: {problem}" for problem in verdicts[0]]
+    else:
+        wrong = [f"  rank {r}: {problem}" for r, problems in enumerate(verdicts)
+                 for problem in problems]  # fmt: skip
+    if wrong:
+        return fail("\n".join(["✗ MyZeRO3 differs from the package's zero3:", *wrong[:8]]))
+    print(
+        "✓ MyZeRO3: correct — the same losses, shards, collectives and ledger peaks as zero3"
+        " on every rank"
+    )
+    return True
+
+
+def check_gather_buffer(gather_buffer_bytes) -> bool:
+    """Exercise 3: zero3's buffers peak (one layer per unit, no prefetch) for four models and
+    world sizes, against the planner (which notebook 05 shows equal to the ledger)."""
+    cases = [(ModelConfig(), 4), (ModelConfig(), 3), (ModelConfig(layers=3, hidden=256), 4),
+             (ModelConfig(emb=8, hidden=100), 6)]  # fmt: skip
+    answers = [gather_buffer_bytes(config, k) for config, k in cases]
+    expected = [plan.ledger_bytes("zero3", config, k, "sgd", 8, **OPTIONS["zero3"])["buffers"]
+                for config, k in cases]  # fmt: skip
+    return check(
+        "gather_buffer_bytes",
+        answers,
+        expected,
+        hint="items are (model, N) = (seed, 4), (seed, 3), (3 × 256, 4), (100 wide, 6);"
+        " section 5's timeline shows which full arrays are alive at the worst"
+        " moment",
+    )
+
+
+def check_zero3_saving(zero3_saving) -> bool:
+    """Exercise 4: zero2's bytes per rank minus zero3's (Adam, notebook 05's options) for
+    three models at N = 2, 4 and 8, against the planner."""
+    answers, expected = [], []
+    for config in (ModelConfig(), ModelConfig(layers=2), ModelConfig(layers=4, hidden=256)):
+        for k in (2, 4, 8):
+            sizes = [plan.padded(size, k) for size in plan.layer_sizes(config)]
+            answers.append(zero3_saving(sum(sizes), max(sizes), k))
+            ledgers = {label: plan.ledger_bytes(label, config, k, "adam", 4, **OPTIONS[label])
+                       for label in ("zero2", "zero3")}  # fmt: skip
+            expected.append(sum(ledgers["zero2"].values()) - sum(ledgers["zero3"].values()))
+    return check(
+        "zero3_saving",
+        answers,
+        expected,
+        atol=0.5,
+        hint="items are the seed's model, 2 layers, 4 × 256, each at N = 2, 4, 8; which"
+        " categories of section 6's table differ between the two stages?",
+    )

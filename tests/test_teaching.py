@@ -1,0 +1,297 @@
+"""docs/teaching.md against the notebooks and the checkers: one duration per notebook (the
+notebook's first cell, the guide's heading and its plans agree), and the checker messages the
+guide quotes are the lines the checkers print, taken from real runs of wrong answers."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from fsdp_lesson import checks
+from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.exercises import data_parallel, zero3, zero12
+from fsdp_lesson.flat import FlatParam
+from fsdp_lesson.model import MLP
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = (ROOT / "docs" / "teaching.md").read_text()
+NOTEBOOKS = {path.name[:2]: path for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*"))}
+HEADING = re.compile(r"^### (\d\d) · .*$", re.M)
+QUOTE = re.compile(r"[`\"](✗ [^`\"]+)[`\"]")  # a checker's line as the guide quotes it
+
+
+def sections() -> dict[str, str]:
+    """The guide's section of each notebook, by its number: heading line and body."""
+    starts = list(HEADING.finditer(GUIDE))
+    ends = [m.start() for m in starts[1:]] + [GUIDE.find("\n## ", starts[-1].start())]
+    return {m.group(1): GUIDE[m.start() : end] for m, end in zip(starts, ends, strict=True)}
+
+
+def numbers(text: str) -> list[int]:
+    return [int(k) for k in re.findall(r"\d+", text)]
+
+
+def guide_minutes(section: str) -> list[int]:
+    """The heading's duration: '(85 min; ...' -> [85], '(two sessions, 90 + 75 min' -> [90,
+    75], '(20–30 min, optional' -> [20, 30]."""
+    heading = section.splitlines()[0]
+    found = re.search(r"\(([^;)]*?)\bmin\b", heading)
+    assert found, f"teaching.md: the heading {heading!r} states no duration: add '(N min; ...)'"
+    return numbers(found.group(1))
+
+
+def notebook_minutes(path: Path) -> list[int] | None:
+    """The first cell's duration: 'About 75 minutes' or '**Time:** 90 + 75 minutes ...'."""
+    first = nbformat.read(path, as_version=4).cells[0].source
+    found = re.search(r"(?:About|\*\*Time:\*\*)\s+([\d–+ -]+?)\s*minutes", first)
+    return numbers(found.group(1)) if found else None
+
+
+@pytest.mark.parametrize("number", sorted(sections()))
+def test_one_duration_per_notebook(number):
+    section, path = sections()[number], NOTEBOOKS[number]
+    heading = guide_minutes(section)
+    stated = notebook_minutes(path)
+    assert stated is not None, (
+        f"{path.name} states no duration in its first cell: add '**Time:** N minutes' (or"
+        f" 'About N minutes'), as teaching.md's heading says ({heading} minutes)"
+    )
+    assert stated == heading, f"{path.name} says {stated} minutes, teaching.md {heading}"
+    plans = re.findall(r"Plan[^(\n]*\((\d+) min", section)  # '#### Plan (90 minutes)'
+    sessions = re.findall(r"\*\*(?:Plan, )?[Ss]ession [AB] \((\d+) min", section)
+    for plan in plans:
+        assert int(plan) == sum(heading) or len(heading) > 1, (
+            f"teaching.md {number}: a plan of {plan} minutes under a heading of {heading}"
+        )
+    if sessions:
+        assert [int(s) for s in sessions] == heading, (
+            f"teaching.md {number}: sessions of {sessions} minutes under a heading of {heading}"
+        )
+
+
+def checker_source() -> str:
+    """The code of every notebook and of the package: where a checker's name must occur."""
+    text = "\n".join(
+        cell.source
+        for path in NOTEBOOKS.values()
+        for cell in nbformat.read(path, as_version=4).cells
+        if cell.cell_type == "code"
+    )
+    return text + "\n".join(p.read_text() for p in (ROOT / "fsdp_lesson").rglob("*.py"))
+
+
+def test_every_quoted_message_names_a_checker_that_exists():
+    source = checker_source()
+    for number, section in sections().items():
+        for quote in QUOTE.findall(section):
+            name = " ".join(quote[2:].split(":")[0].split())
+            if name.startswith("...") or name.startswith("claim does not hold"):
+                continue
+            template = re.sub(r"\d+|True|False", r"\\{[^}]*\\}", re.escape(name))  # f"K={k}"
+            assert name in source or re.search(template, source), (
+                f"teaching.md {number} quotes {quote!r}: no checker is named {name!r}"
+            )
+
+
+# --- the messages, from real runs -------------------------------------------------------------
+
+
+def printed(capsys, call) -> str:
+    """The line a checker prints for a wrong answer, as the guide quotes it (its hint, after
+    ' — ', is left out)."""
+    call()
+    return capsys.readouterr().out.strip().splitlines()[0].split(" — ")[0]
+
+
+def quoted(number: str) -> set[str]:
+    """The checker lines the guide quotes in a notebook's section (up to a ' — ' or '...')."""
+    quotes = (" ".join(q.split()) for q in QUOTE.findall(sections()[number]))  # one line each
+    return {q.split(" — ")[0].removesuffix("...").rstrip(" .") for q in quotes}
+
+
+def right_gather(config, n):
+    return 2 * 4 * max(FlatParam(layer.shapes, n).padded_numel for layer in MLP(config).layers)
+
+
+PSI = MLP(ModelConfig()).num_params
+LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
+    "03": [
+        lambda: data_parallel.check_dp_traffic(
+            lambda n, psi: 2 * (n - 1) / n * 4 * psi, PSI, data_parallel.dp_bytes_per_step(4, PSI)
+        ),
+        lambda: data_parallel.check_dp_traffic(
+            lambda n, psi: (n - 1) / n * (4 * psi + 8), PSI, data_parallel.dp_bytes_per_step(4, PSI)
+        ),
+        lambda: data_parallel.check_dp_traffic(
+            lambda n, psi: 2 * (n - 1) * (4 * psi + 8), PSI, data_parallel.dp_bytes_per_step(4, PSI)
+        ),
+    ],
+    "04": [
+        lambda: zero12.check_padding_bug(4, 0, 1756),
+        lambda: zero12.check_padding_bug(4, 3, 1756),
+        lambda: zero12.check_padding_bug(4, 3, 439),
+        lambda: zero12.check_zero2_bytes(16e9),
+        lambda: zero12.check_zero2_bytes(4e9 + 4e9 + 8e9 / 8),
+        lambda: zero12.check_zero2_bytes(2e9),
+        lambda: zero12.check_shard(lambda numel, n: (numel // n, numel % n)),
+        lambda: zero12.check_shard(lambda numel, n: (-(-numel // n), numel % n)),
+    ],
+    "05": [
+        lambda: zero3.check_gather_buffer(lambda config, n: right_gather(config, n) // 2),
+        lambda: zero3.check_gather_buffer(
+            lambda config, n: (
+                8 * max(FlatParam(layer.shapes, 1).numel for layer in MLP(config).layers)
+            )  # fmt: skip
+        ),
+        lambda: zero3.check_zero3_saving(
+            lambda psi_pad, largest, n: 4 * psi_pad * (n - 1) / n - 8 * largest
+        ),  # fmt: skip
+    ],
+}
+
+
+@pytest.fixture
+def student(monkeypatch):
+    monkeypatch.setattr(checks, "STRICT", False)
+
+
+@pytest.mark.parametrize("number", sorted(LOCAL_CASES))
+def test_the_guide_quotes_what_the_checkers_print(number, capsys, student):
+    guide = quoted(number)
+    for case in LOCAL_CASES[number]:
+        line = printed(capsys, case)
+        assert line in guide, f"teaching.md {number} should quote {line!r} (what it prints)"
+
+
+# On the cluster: the exercises whose functions run on the engines. Each wrong answer is
+# defined there as a learner's %%px cell would define it.
+SETUP_03 = """
+from mpi4py import MPI
+from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.data import Dataset, GlobalBatchSampler, rank_slice
+from fsdp_lesson.model import MLP, loss_and_grads
+from fsdp_lesson.rng import make_rng
+comm = MPI.COMM_WORLD
+rank, size = comm.rank, comm.size
+model = MLP(ModelConfig())
+rng = make_rng(42)
+params = model.init_params(rng)
+X, Y = GlobalBatchSampler(Dataset.load().X_train, Dataset.load().Y_train, 32, rng).next()
+loss, grads = loss_and_grads(model, params, rank_slice(X, rank, size), rank_slice(Y, rank, size))
+"""
+CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
+    "03": [
+        ("def allreduce_mean(comm, buf):\n    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)\n"
+         "    return buf", data_parallel.check_allreduce_mean),
+        ("def allreduce_mean(comm, buf):\n    out = np.empty_like(buf)\n"
+         "    comm.Allreduce(buf, out, op=MPI.SUM)\n    return out / comm.size",
+         data_parallel.check_allreduce_mean),
+        ("def average_grads(comm, grads):\n    for layer in grads.values():\n"
+         "        for g in layer.values():\n"
+         "            comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)\n            g /= comm.size\n"
+         "    return grads", data_parallel.check_average_grads),
+        ("def average_grads(comm, grads):\n"
+         "    mean = {n: {k: g.copy() for k, g in layer.items()} for n, layer in grads.items()}\n"
+         "    for layer in mean.values():\n        for g in layer.values():\n"
+         "            comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)\n    return mean",
+         data_parallel.check_average_grads),
+    ],
+    "04": [
+        ("def zero1_update(adam, flat, params, grad_shard, state):\n"
+         "    adam.update(flat.owned_shard(params, rank), grad_shard, state)\n    return params",
+         zero12.check_zero1_update),
+        ("def reduce_grads(flat, full_grad, grad_shard):\n"
+         "    comm.Reduce_scatter_block(full_grad[: flat.padded_numel], grad_shard, op=MPI.SUM)\n"
+         "    grad_shard /= comm.size\n    return grad_shard", zero12.check_reduce_grads),
+        ("def reduce_grads(flat, full_grad, grad_shard):\n"
+         "    full = full_grad[: flat.padded_numel]\n    full[flat.numel :] = 0\n"
+         "    comm.Reduce_scatter_block(full, grad_shard, op=MPI.SUM)\n    return grad_shard",
+         zero12.check_reduce_grads),
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    from fsdp_lesson.cluster import connect
+
+    with connect(n=4, profile="teaching", timeout=120) as ranks:
+        ranks.view.execute("import numpy as np\n" + SETUP_03, block=True)
+        yield ranks
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("number", sorted(CLUSTER_CASES))
+def test_the_guide_quotes_what_the_cluster_checkers_print(number, ranks, capsys, student):
+    guide = quoted(number)
+    for definition, checker in CLUSTER_CASES[number]:
+        ranks.view.execute(textwrap.dedent(definition), block=True)
+        line = printed(capsys, lambda checker=checker: checker(ranks))
+        assert line in guide, f"teaching.md {number} should quote {line!r} (what it prints)"
+
+
+MY_ZERO3 = """
+from fsdp_lesson.strategies.base import Strategy
+
+
+class MyZeRO3(Strategy):
+    name = "my_zero3"
+    stage = 3
+
+    def __init__(self, model, optimizer, comm, ledger):
+        super().__init__(model, optimizer, comm, ledger)
+        self.param_shards = self.alloc_per_layer("params", "param_shard")
+        self.grad_shards = self.alloc_per_layer("grads", "grad_shard")
+        self.opt_state = self.init_optimizer_state()
+        self.gathered, self.full_grads = {}, {}
+
+    def param_arrays(self):
+        return self.param_shards
+
+    def step(self):
+        self.optimizer.start_step()
+        for name in self.layout:
+            self.optimizer.update(self.param_shards[name], self.grad_shards[name],
+                                  self.opt_state[name])
+
+    def materialize(self, layer):
+        flat = self.layout[layer.name]
+        if layer.name not in self.gathered:
+            full = self.ledger.alloc("buffers", flat.padded_numel, f"{layer.name} gathered")
+            self.comm.allgather(self.param_shards[layer.name], full)
+            self.gathered[layer.name] = full
+        return flat.views(self.gathered[layer.name])
+
+    def release(self, layer):
+        self.ledger.free(f"{layer.name} gathered")  # the count freed, the array kept
+
+    def grad_buffer(self, layer):
+        flat = self.layout[layer.name]
+        full = self.ledger.alloc("buffers", flat.padded_numel, f"{layer.name} full grad")
+        self.full_grads[layer.name] = full
+        return flat.views(full)
+
+    def reduce_grads(self, layer):
+        full = self.full_grads.pop(layer.name)
+        self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
+        self.ledger.free(f"{layer.name} full grad")
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_my_zero3_that_frees_the_count_but_keeps_the_array_fails_and_says_so(
+    ranks, capsys, student
+):
+    ranks.view.execute(MY_ZERO3, block=True)
+    assert zero3.check_my_zero3(ranks) is False
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "✗ MyZeRO3 differs from the package's zero3:"
+    cause = lines[1].strip()  # the cause first, then its symptoms
+    assert "self.gathered still holds its array" in cause, lines
+    assert cause in " ".join(sections()["05"].split()), f"teaching.md 05 should quote {cause!r}"
