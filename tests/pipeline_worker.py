@@ -28,6 +28,7 @@ from fsdp_lesson.pipeline import Stage, gather_stages, pipeline_step
 from fsdp_lesson.rng import make_rng
 from fsdp_lesson.strategies import make_strategy
 from fsdp_lesson.tensor import megatron
+from fsdp_lesson.watchdog import WHERE
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,12 @@ def build(case: Case, world: Comm):
 
 
 def train_loop(case, mesh, stage, strategy, rng, data, failure=None) -> tuple[list, list]:
-    """K steps on the rows train_loop gives this rank (named as train.train_loop, whose
-    `step` the watchdog's message reads); the dp-mean losses and the last step's record."""
+    """K steps on the rows train.train_loop gives this rank, each step told to the watchdog as
+    the loop tells it (WHERE.step); the dp-mean losses and the last step's record."""
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, case.batch, rng)
     losses, record = [], []
     for step in range(case.steps):
+        WHERE.step = step
         X, Y = sampler.next_slice(mesh.dp.rank, mesh.dp.size)
         if failure is not None:
             failure(step)
