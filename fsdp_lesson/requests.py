@@ -111,10 +111,6 @@ class Request:
         request.completed = perf_counter()
         return request
 
-    def test(self) -> bool:
-        """Let MPI progress the collective (MPI_Test); True once it is complete."""
-        return self.mpi_request is None or self.mpi_request.Test()
-
     def wait(self) -> None:
         if self.completed is not None:
             return
