@@ -2,8 +2,9 @@
 
     NonBlocking   iallreduce_mean, iallgather, ireduce_scatter_mean (dp's and zero3's overlap of
                   communication with compute) and send / recv (a pipeline's activations and
-                  gradients, pipeline.py): Comm's base, on Comm's traffic records and trace
-    Request       a collective in flight: wait() completes it and counts it
+                  gradients, pipeline.py), on the blocking Collectives (collectives.py): their
+                  Traffic records and Trace; the ring and a one-rank Comm run the blocking call
+    Request       a collective in flight: wait() completes it and counts it (Collectives.count)
     Sending       a send in flight: wait() returns once MPI is done with the buffer
 
 Every wait is watched as a blocking call is (watchdog.py): past the Comm's timeout the job ends
@@ -14,22 +15,19 @@ from __future__ import annotations
 
 import threading
 from time import monotonic, perf_counter
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .collectives import Collectives
 from .ring import on_wire
-from .watchdog import WATCHDOG, WatchedComm
-
-if TYPE_CHECKING:
-    from .comm import Comm
+from .watchdog import WATCHDOG
 
 P2P_TAG = 14  # point-to-point messages' tag: none matches a receive of the ring's (ring.TAG)
 
 
-class NonBlocking(WatchedComm):
-    """Comm's non-blocking calls. The ring and a one-rank Comm run a collective at once through
-    Comm's blocking call (Request.done); sends and receives need P > 1 ranks."""
+class NonBlocking(Collectives):
+    """The non-blocking calls. The ring and a one-rank Comm run a collective at once through
+    the blocking call (Request.done); sends and receives need P > 1 ranks."""
 
     def iallreduce_mean(self, buf: np.ndarray, tag: str = "") -> Request:
         """Start buf <- the mean of buf over ranks, in place (MPI_Iallreduce); wait() ends it."""
@@ -92,7 +90,7 @@ class Request:
 
     def __init__(
         self,
-        comm: Comm,
+        comm: Collectives,
         kind: str,
         nbytes: int,
         mpi_request,
@@ -106,16 +104,12 @@ class Request:
         self.issued, self.completed = perf_counter(), None
 
     @classmethod
-    def done(cls, comm: Comm, collective) -> Request:
+    def done(cls, comm: Collectives, collective) -> Request:
         """A request whose collective ran to completion right here (and was counted there)."""
         request = cls(comm, "", 0, None, None)
         collective()
         request.completed = perf_counter()
         return request
-
-    def test(self) -> bool:
-        """Let MPI progress the collective (MPI_Test); True once it is complete."""
-        return self.mpi_request is None or self.mpi_request.Test()
 
     def wait(self) -> None:
         if self.completed is not None:
@@ -128,8 +122,8 @@ class Request:
         finally:
             WATCHDOG.waiting = None
         if self.mean_into is not None:
-            self.comm._divide(self.mean_into)
-        self.comm._account(self.kind, self.nbytes, start, self.tag, self.issued)
+            self.comm.to_mean(self.mean_into)
+        self.comm.count(self.kind, self.nbytes, start, self.tag, self.issued)
         self.completed = perf_counter()
 
 
@@ -137,7 +131,9 @@ class Sending:
     """A send in flight (Comm.send): wait() returns once MPI is done with the buffer. Watched
     as a recv is: past the Comm's timeout the watchdog names the rank that has not received."""
 
-    def __init__(self, comm: Comm, request, to: int, buf: np.ndarray, tag: str, issued: float):
+    def __init__(
+        self, comm: Collectives, request, to: int, buf: np.ndarray, tag: str, issued: float
+    ):
         self.comm, self.request, self.to, self.tag, self.issued = comm, request, to, tag, issued
         self.buf = buf  # kept alive until MPI is done with it
 

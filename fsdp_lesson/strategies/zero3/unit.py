@@ -37,6 +37,8 @@ class Unit:
 
     def __init__(self, name: str, layers: tuple[str, ...], flat: FlatParam) -> None:
         self.name, self.layers, self.flat = name, layers, flat  # layers in forward order
+        # the ledger's labels of its transients, made once: the hooks ask for them every step
+        self.gathered_label, self.grad_label = f"{name} gathered", f"{name} full grad"
         # zero3's state of the unit on this rank, set by own() and changed by the step
         self.params: dict[str, Params] | None = None  # each layer's full parameters, gathered
         self.gathering: tuple[Request, dict[str, Params]] | None = None  # a prefetch in flight
@@ -61,25 +63,25 @@ class Unit:
         """Each layer's parameters as shaped views into the unit's full flat buffer."""
         return {
             layer: {name: full[start:stop].reshape(shape) for name, start, stop, shape in spans}
-            for layer, spans in self.layer_spans.items()
+            for layer, spans in self.layer_spans
         }
 
     @cached_property
-    def layer_spans(self) -> dict[str, list[tuple[str, int, int, tuple[int, ...]]]]:
-        """Each layer's (param, start, stop, shape) in the flat vector: worked out once, since
-        zero3 takes views at every gather."""
+    def layer_spans(self) -> tuple[tuple[str, tuple[tuple[str, int, int, tuple[int, ...]], ...]]]:
+        """Each layer and its parameters' (name, start, stop, shape) in the flat vector (none
+        for a ReLU): worked out once, since zero3 takes views at every gather."""
         spans: dict[str, list] = {layer: [] for layer in self.layers}
         for key, start, stop, shape in self.flat.spans:
             layer, name = key.rsplit(".", 1)
             spans[layer].append((name, start, stop, shape))
-        return spans
+        return tuple((layer, tuple(s)) for layer, s in spans.items())
 
     # --- the full parameters ------------------------------------------------------------
 
     def _alloc_gathered(self) -> np.ndarray:
         """The full parameter buffer, counted until free_params (the allgather fills it)."""
-        numel, label = self.flat.padded_numel, f"{self.name} gathered"
-        return self.ledger.alloc("buffers", numel, label, self.dtype, zeroed=False)
+        numel = self.flat.padded_numel
+        return self.ledger.alloc("buffers", numel, self.gathered_label, self.dtype, zeroed=False)
 
     def start_gather(self) -> None:
         """Prefetch: allocate the full buffer and start the allgather into it."""
@@ -100,14 +102,15 @@ class Unit:
     def free_params(self) -> None:
         """Free the full parameters: only the shard remains (FSDP2: reshard)."""
         self.params = None
-        self.ledger.free(f"{self.name} gathered")
+        self.ledger.free(self.gathered_label)
 
     def begin_compute(self) -> None:
         self.computing = perf_counter()
 
     def end_compute(self, phase: str) -> None:
         """The unit's forward or backward compute ends: its span, when the step is traced."""
-        self.comm.trace.record("compute", f"{phase} {self.name}", self.computing)
+        if self.comm.trace.spans is not None:
+            self.comm.trace.record("compute", f"{phase} {self.name}", self.computing)
         self.computing = None
 
     # --- the full gradient --------------------------------------------------------------
@@ -116,8 +119,10 @@ class Unit:
         """The layer's full gradient, in the unit's buffer allocated (counted) at its first
         backward and kept until finish_reduce_scatter."""
         if self.full_grad is None:
-            label, numel = f"{self.name} full grad", self.flat.padded_numel
-            self.full_grad = self.ledger.alloc("buffers", numel, label, self.dtype, zeroed=False)
+            numel = self.flat.padded_numel
+            self.full_grad = self.ledger.alloc(
+                "buffers", numel, self.grad_label, self.dtype, zeroed=False
+            )
             self.full_grad[self.flat.numel :] = 0  # backward writes all but the padding
             self.full_grad_views = self.views(self.full_grad)
         return self.full_grad_views[layer]
@@ -141,7 +146,7 @@ class Unit:
             self.grad_shard += added
             self.ledger.free(f"{self.name} micro-batch grad shard")
         self.full_grad, self.full_grad_views = None, {}  # no view keeps the buffer alive
-        self.ledger.free(f"{self.name} full grad")
+        self.ledger.free(self.grad_label)
         if replicas is not None:
             replicas.allreduce_mean(self.grad_shard, self.name)
 
