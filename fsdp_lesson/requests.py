@@ -13,7 +13,6 @@ with a line naming who has not arrived, or for a send or recv the one peer it wa
 
 from __future__ import annotations
 
-import threading
 from time import monotonic, perf_counter
 
 import numpy as np
@@ -116,7 +115,7 @@ class Request:
             return
         start = perf_counter()
         # watched as a blocking call is: past the Comm's timeout the watchdog ends the job
-        WATCHDOG.waiting = (self.comm, self.kind, self.entered, monotonic(), threading.get_ident())
+        WATCHDOG.waiting = (self.comm, self.kind, self.entered, monotonic())
         try:
             self.mpi_request.Wait()
         finally:

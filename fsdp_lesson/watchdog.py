@@ -78,7 +78,7 @@ class WatchedComm:
     def _blocking(self, kind: str, call, *args, **kwargs):
         """call(*args, **kwargs), one blocking collective, watched: past self.timeout the
         watchdog ends the job."""
-        WATCHDOG.waiting = (self, kind, self._arrive(), monotonic(), threading.get_ident())
+        WATCHDOG.waiting = (self, kind, self._arrive(), monotonic())
         try:
             return call(*args, **kwargs)
         finally:
@@ -87,7 +87,7 @@ class WatchedComm:
     def _watched_p2p(self, kind: str, peer: int, call, *args):
         """call(*args), one blocking wait on rank `peer` of this communicator alone (a send or
         a recv), watched: past self.timeout the watchdog ends the job naming that peer."""
-        WATCHDOG.waiting = (self, kind, Peer(peer), monotonic(), threading.get_ident())
+        WATCHDOG.waiting = (self, kind, Peer(peer), monotonic())
         try:
             return call(*args)
         finally:
@@ -308,7 +308,7 @@ def peer_timeout_message(
 class Watchdog:
     """The process's watchdog: a daemon thread that ends the job when a collective waits too long.
 
-    The thread that calls a collective sets `waiting` = (comm, kind, number, start, thread id)
+    The thread that calls a collective sets `waiting` = (comm, kind, number, start)
     for the duration of the blocking call and clears it after; the watchdog looks a few times a
     second, and once the call has waited longer than comm.timeout it prints one line
     (timeout_message) and calls MPI_Abort on COMM_WORLD, which makes the launcher (mpiexec, or
@@ -339,7 +339,7 @@ class Watchdog:
             waiting = self.waiting
             if waiting is None:
                 continue
-            comm, kind, entered, since, _ = waiting
+            comm, kind, entered, since = waiting
             waited = monotonic() - since
             if waited > comm.timeout:
                 end_the_job(comm, kind, entered, waited, WHERE.text())
