@@ -24,9 +24,12 @@ def shard_problems(yours: dict, expected: dict) -> list[str]:
         if key not in yours:
             continue
         mine, theirs = np.asarray(yours[key]), expected[key]
-        if mine.dtype != theirs.dtype:
-            problems.append(f"{key}: {mine.dtype} values, where the state is {theirs.dtype}:"
-                            " keep the array's own dtype (cut it, do not convert it)")
+        if mine.dtype != theirs.dtype:  # one line for all: a conversion is rarely one array's
+            converted = [k for k in expected if k in yours
+                         and np.asarray(yours[k]).dtype != expected[k].dtype]
+            more = f" (and {len(converted) - 1} more arrays)" if len(converted) > 1 else ""
+            return problems + [f"{key}: {mine.dtype} values, where the state is {theirs.dtype}"
+                               f"{more}: keep the array's own dtype (cut it, do not convert it)"]
         elif not np.array_equal(mine, theirs):
             problems.append(f"{key}: {how_wrong(mine, theirs)}")
     return problems

@@ -54,3 +54,22 @@ def check_smallest_n(smallest_n: Callable) -> bool:
         return fail(f"✗ smallest_n: {stage}, Ψ = {psi / 1e9:g} B, {gpu // 2**30} GiB: {how}"
                     f" — {hint}")
     return check("smallest_n", answers, expected, hint=hint)
+
+
+def check_bytes_per_rank(bytes_per_rank: Callable, model_config, configs: dict, peaks: dict,
+                         n: int) -> bool:
+    """Exercise 4: bytes_per_rank(stage, sizes, n, precision) against every rank's live zero3
+    ledger of 07's section 5.1 (`configs` by name, `peaks`: each one's ledgers by rank), and
+    dp, zero1 and zero2 at N = n against the planner (`plan.ledger_bytes`, equal to the ledger
+    in 07's section 1), fp32 and bf16."""
+    from fsdp_lesson.checks import check_bytes
+
+    sizes, cases = plan.layer_sizes(model_config), {}
+    for name, config in configs.items():
+        cases[name] = (bytes_per_rank("zero3", sizes, n, config.precision), peaks[name])
+    for stage in ("dp", "zero1", "zero2"):
+        for precision in ("fp32", "bf16"):
+            planned = plan.ledger_bytes(stage, model_config, n, "adam", 32, precision=precision)
+            cases[f"{stage} {precision}"] = (bytes_per_rank(stage, sizes, n, precision),
+                                             [planned])
+    return check_bytes("bytes_per_rank", cases)

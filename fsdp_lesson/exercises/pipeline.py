@@ -124,15 +124,19 @@ def stage_pass_items() -> list | str:
     stage, params, pair, X, Y = ns.stage, ns.params, ns.pair, ns.X, ns.Y
     inputs, output_grad = boundary_values(ns.model, params, stage, X, Y)
     rehearsal = Rehearsal(stage, pair.rank, len(Y), inputs, output_grad)
+    unsolved, mistake = False, None
     try:
-        answer = ns.my_stage_pass(stage, params, rehearsal, X, Y)
+        unsolved = not_solved(ns.my_stage_pass(stage, params, rehearsal, X, Y))
+        mistake = None if unsolved else missing_messages(stage, rehearsal)
     except StagePassError as err:
-        return str(err)
-    if not_solved(answer):
+        mistake = str(err)
+    # the real run only if both stages rehearsed well: a stage that returned here would leave
+    # its neighbour waiting in the real run
+    verdicts = pair.allgather_objects((unsolved, mistake))
+    if any(stub for stub, _ in verdicts):
         return [("gradients", None, None)]
-    mistake = missing_messages(stage, rehearsal)
-    if mistake:
-        return mistake
+    if any(line for _, line in verdicts):
+        return mistake or ""  # the neighbour's line comes from the neighbour
     timeout, pair.timeout = pair.timeout, REAL_RUN_TIMEOUT  # rehearsed: no wait should be long
     try:
         answer = ns.my_stage_pass(stage, params, pair, X, Y)
@@ -147,9 +151,19 @@ def check_stage_pass(ranks) -> bool:
     """Exercise 1 on the four engines: the rehearsal's first line, or one verdict over the
     real run's gradients against single-rank training's."""
     from fsdp_lesson.checks import fail, verdict
+    from fsdp_lesson.cluster import RankError
 
-    per_rank = ranks.run(stage_pass_items, timeout=120)
-    lines = [line for line in per_rank if isinstance(line, str)]
+    try:
+        per_rank = ranks.run(stage_pass_items, timeout=120)
+    except RankError as err:
+        if err.ename != "EngineError":  # the learner's code raised: its traceback says where
+            raise
+        # the watchdog ended the job: a real send or receive waited past REAL_RUN_TIMEOUT
+        return fail(f"✗ my_stage_pass: in the real run rank {err.rank} (or its neighbour) waited"
+                    f" more than {REAL_RUN_TIMEOUT:g} s for a message the other stage never sent"
+                    " (the rehearsal passed: one stage takes a path the other does not); the"
+                    " engines were restarted: run the setup %%px cell above again")
+    lines = [line for line in per_rank if isinstance(line, str) and line]
     if lines:
         return fail(f"✗ my_stage_pass: {lines[0]}")
     return verdict("my_stage_pass", per_rank,
