@@ -59,6 +59,8 @@ def measure(model_name: str, strategy: str, optimizer: str = "adam") -> dict | N
         "ms_per_step": float(np.mean(history.step_seconds) * 1e3),
         "comm_ms_per_step": sum(t["seconds"] for t in history.traffic.values()) / steps * 1e3,
         "median_ms_per_step": float(np.median(history.step_seconds) * 1e3),
+        "min_ms_per_step": float(np.min(history.step_seconds) * 1e3),  # the spread of the steps
+        "max_ms_per_step": float(np.max(history.step_seconds) * 1e3),
     }
     per_rank = gather_objects(comm, mine)
     if comm.rank != 0:

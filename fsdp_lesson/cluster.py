@@ -230,9 +230,8 @@ def _running_cluster(profile: str, n: int, where: dict[str, str]) -> ipp.Cluster
     """The cluster `ipcluster start` runs for this profile (where it is: _profile_location), or
     None (stale files count as none).
 
-    Raises ClusterError at once if its controller runs but its engines are gone: when one
-    engine of an MPI job dies, mpiexec ends them all, and waiting for them would only wait
-    out the timeout.
+    If its controller runs but its engines are gone (when one engine of an MPI job dies,
+    mpiexec ends them all: a crash, or a checker's timeout), it starts n fresh engines there.
     """
     record = _cluster_record(where)
     try:
@@ -245,11 +244,35 @@ def _running_cluster(profile: str, n: int, where: dict[str, str]) -> ipp.Cluster
         _stop_what_a_dead_controller_left(record, cluster)
         return None
     if len(cluster.engines) < len((record.get("engines") or {}).get("sets", {})):
-        raise ClusterError(
-            f"The running cluster's engines are gone (their MPI job has ended: an engine died "
-            f"or was stopped). Fix: {_how_to_fix(n, profile, owned=False)}"
-        )
+        # their MPI job has ended (an engine died, or a checker's timeout stopped them): start
+        # a fresh set on the running controller, as Ranks does after a failure
+        cluster.config = _engine_config(where)
+        cluster.stop_engines_sync()
+        cluster.start_engines_sync(n)
+        print(f"the running cluster's engines had stopped: started {n} fresh ones")
     return cluster
+
+
+def _engine_config(where: dict[str, str]) -> Config:
+    """How connect() starts engines: the ranks' launch settings (launch.py), and the MPI that
+    mpi4py uses unless the profile names one (the simulated hosts')."""
+    launcher = {"environment": rank_settings()}
+    if "profile_dir" not in where:
+        launcher["mpi_cmd"] = [_mpiexec()]
+    return Config({"MPILauncher": launcher})
+
+
+def _running_cluster_of(profile: str) -> ipp.Cluster | None:
+    """The ipyparallel Cluster that `ipcluster start` (or make run/test) runs for profile, to
+    restart its engines from here; None if there is none or its controller is gone."""
+    where = _profile_location(profile, 0)
+    try:
+        cluster = ipp.Cluster.from_file(
+            **where, cluster_id="", log=_log, config=_engine_config(where)
+        )
+    except FileNotFoundError:
+        return None
+    return cluster if cluster.controller is not None else None
 
 
 def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
@@ -261,18 +284,13 @@ def connect(n: int = 4, profile: str = "default", timeout: float = 60) -> Ranks:
     cluster = _running_cluster(profile, n, where)
     owned = cluster is None
     if owned:  # start our own; ipyparallel stops it when Python exits (shutdown_atexit)
-        # the engines start with the ranks' launch settings (launch.py), as under make run,
-        # and the MPI that mpi4py uses unless the profile names one (the simulated hosts')
-        launcher = {"environment": rank_settings()}
-        if "profile_dir" not in where:
-            launcher["mpi_cmd"] = [_mpiexec()]
         cluster = ipp.Cluster(
             n=n,
             engines="mpi",
             **where,
             shutdown_atexit=True,
             log=_log,
-            config=Config({"MPILauncher": launcher}),
+            config=_engine_config(where),
         )
     fix = _how_to_fix(n, profile, owned)
     try:
@@ -434,13 +452,14 @@ class Ranks:
 
     def _recover(self, what: str) -> str:
         """Restart the engines after `what` went wrong; return a note for the error message."""
-        if self.cluster is None:
+        cluster = self.cluster or _running_cluster_of(self._profile)  # not ours: restart its
+        if cluster is None:  # engines all the same, through its controller, if it still runs
             fix = _how_to_fix(self.n, self._profile, owned=False)
             return (
                 f"\n{what}. These engines cannot recover on their own (a rank blocked in MPI "
                 f"ignores interrupts): restart the cluster with\n  {fix}\nthen run connect() again."
             )
-        self._restart_engines()
+        self._restart_engines(cluster)
         return f"\n{what}, so the engines were restarted (their variables are gone)."
 
     def _lost_rank(self, default: int, wait: float = 5.0) -> tuple[int, str]:
@@ -461,17 +480,17 @@ class Ranks:
         watch = (self.pids, self._exits, self._stop_watch)
         threading.Thread(target=_note_exits, args=watch, daemon=True).start()
 
-    def _restart_engines(self) -> None:
+    def _restart_engines(self, cluster: ipp.Cluster) -> None:
         """Kill the engine set and start a fresh one; a rank blocked in MPI ignores SIGTERM."""
         old = set(self.view.targets)
         with contextlib.suppress(psutil.NoSuchProcess):  # mpiexec may have ended the job already
-            self.cluster.signal_engines_sync(signal.SIGKILL)
-        self.cluster.stop_engines_sync()
+            cluster.signal_engines_sync(signal.SIGKILL)
+        cluster.stop_engines_sync()
         # New engines reuse the old ids, so wait for the old ones to unregister first.
         deadline = time.monotonic() + self._timeout
         while old & set(self.client.ids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        self.cluster.start_engines_sync(self.n)
+        cluster.start_engines_sync(self.n)
         fix = _how_to_fix(self.n, self._profile, owned=True)
         _wait_for_engines(self.client, self.n, self._timeout, fix)
         # Update the view in place, so a view activated for %px keeps working.

@@ -82,6 +82,9 @@ def pipeline_lanes(
     return ax.figure
 
 
+MEASURED_MARKERS = ("o", "s", "^", "D", "v")  # bubble_curves' measured series, in turn
+
+
 def bubble_curves(
     stages: Iterable[int] = (2, 4, 8, 16),
     micro_batches: Iterable[int] = range(1, 33),
@@ -98,11 +101,16 @@ def bubble_curves(
         _, ax = plt.subplots(figsize=(7, 3.8))
     for p in stages:
         ax.plot(ms, [bubble_fraction(p, m) for m in ms], label=f"P = {p}, predicted")
-    for label, points in (measured or {}).items():
+    for i, (label, points) in enumerate((measured or {}).items()):
         if not points:
             raise ValueError(f"measured[{label!r}]: no points")
         m_values = sorted(points)
-        ax.plot(m_values, [points[m] for m in m_values], "o", color="black", label=label)
+        # a marker of its own per series, filled and hollow in turn, the hollow ones larger:
+        # two stages' points that nearly coincide both stay visible
+        ax.plot(m_values, [points[m] for m in m_values], linestyle="none",
+                marker=MEASURED_MARKERS[i % len(MEASURED_MARKERS)], color="black",
+                markerfacecolor="black" if i % 2 == 0 else "none", markersize=6 + 3 * (i % 2),
+                label=label)
     ax.set(xlabel="micro-batches per step M", ylabel="idle fraction of the step", ylim=(0, 1),
            title="the pipeline bubble (p − 1)/(m + p − 1)")  # fmt: skip
     ax.set_xscale("log", base=2)

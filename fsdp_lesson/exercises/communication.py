@@ -1,0 +1,30 @@
+"""Notebook 08's checker of exercise 2, the batch that hides a stage's communication: the
+expected batch comes from `plan.step_seconds` here, so the learner's cell shows only the call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fsdp_lesson import plan
+from fsdp_lesson.checks import check
+
+PSI = 1e9  # any Ψ: the batch does not depend on it
+
+
+def batch_that_hides(stage: str, n: int, flops: float, bandwidth: float) -> float:
+    """The batch per GPU at which 6·b·Ψ / flops equals plan.step_seconds (2-byte elements)."""
+    return plan.step_seconds(stage, PSI, n, bandwidth) * flops / (6 * PSI)
+
+
+def check_hiding_batch(hiding_batch: Callable) -> bool:
+    """dp and zero3 on an A100-like and an H100-like GPU, 25, 50 and 450 GB/s, N = 8 and 512;
+    one verdict per stage, so that it names the stage that is wrong."""
+    for stage in ("dp", "zero3"):
+        cases = [(stage, n, f, w) for n in (8, 512)
+                 for f, w in ((312e12, 25e9), (989e12, 50e9), (989e12, 450e9))]
+        if not check(f"hiding_batch ({stage})", [hiding_batch(*case) for case in cases],
+                     [batch_that_hides(*case) for case in cases], atol=1e-6,
+                     hint="set the compute time equal to the communication time and solve for"
+                          " the batch; count the bytes of each collective of the stage"):
+            return False
+    return True

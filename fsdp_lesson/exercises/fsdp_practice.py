@@ -1,0 +1,144 @@
+"""Notebook 06's checkers: the HSDP groups (exercise 3) and clipping under sharding (exercise 4).
+
+Each runs the real strategy on the engines, computes the expected answer there, and says which
+mistake an answer makes (a group that is not its communicator's; a norm of one rank's shards,
+of squares averaged without ×N, or an average of norms) without printing the expected value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fsdp_lesson.checks import NOT_SOLVED, check, fail, not_solved
+
+GROUP_HINTS = {
+    "shard": "a shard group is N/R consecutive ranks",
+    "replicate": "a replicate group takes the rank at the same place in every shard group",
+}
+
+
+def groups_on_engine(model_config, replicate: int) -> tuple[list[int], list[int]]:
+    """On every rank: the world ranks its zero3's shard and replicate communicators hold."""
+    from fsdp_lesson.comm import Comm
+    from fsdp_lesson.memory import MemoryLedger
+    from fsdp_lesson.model import MLP
+    from fsdp_lesson.optim import SGD
+    from fsdp_lesson.strategies import ZeRO3
+
+    world = Comm.world()
+    strategy = ZeRO3(MLP(model_config), SGD(0.1), world, MemoryLedger(), replicate=replicate)
+    return (strategy.shard_comm.allgather_objects(world.rank),
+            strategy.replica_comm.allgather_objects(world.rank))
+
+
+def groups_mistake(answer, actual: dict[str, list[list[int]]]) -> str | None:
+    """Which group of the answer is not what the communicators hold, in words; None if none."""
+    if not (isinstance(answer, (list, tuple)) and len(answer) == 2):
+        return "return a pair: (shard groups, replicate groups)"
+    for kind, yours in zip(("shard", "replicate"), answer, strict=True):
+        groups = actual[kind]
+        try:
+            yours = [[int(rank) for rank in group] for group in yours]
+        except (TypeError, ValueError):
+            return f"the {kind} groups must be a list of lists of ranks"
+        if len(yours) != len(groups):
+            return (f"{len(yours)} {kind} groups, not as many as the communicators form"
+                    f" — {GROUP_HINTS[kind]}")
+        for i, (mine, theirs) in enumerate(zip(yours, groups, strict=True)):
+            if mine != theirs:
+                return (f"{kind} group {i} is {mine}: not the ranks that communicator holds"
+                        f" — {GROUP_HINTS[kind]}")
+    return None
+
+
+def check_groups(ranks, hsdp_groups: Callable, model_config) -> bool:
+    """Exercise 3: hsdp_groups(n, R) against the communicators zero3 builds, for R = 2 and 4."""
+    for r in (2, 4):
+        answer = hsdp_groups(ranks.n, r)
+        if not_solved(answer):
+            return check("groups", None, None)  # the placeholder: "not solved yet"
+        per_rank = ranks.run(groups_on_engine, model_config, r, timeout=120)
+        actual = {kind: [list(group) for group in sorted({tuple(g[i]) for g in per_rank})]
+                  for i, kind in enumerate(("shard", "replicate"))}
+        mistake = groups_mistake(answer, actual)
+        if mistake:
+            return fail(f"✗ R={r}: {mistake}")
+        print(f"✓ R={r}: correct")
+    return True
+
+
+def clip_factors_on_a_rank(max_norm: float = 0.001) -> dict[str, float]:
+    """On every rank: one step's gradient shards under zero2 (the update skipped); the engine's
+    clip_factor (defined there by %%px) and the factors of the whole gradient and of three
+    mistakes. The default bound is below every rank's own norm, so every rank clips."""
+    import numpy as np
+
+    import __main__
+    from fsdp_lesson.comm import Comm
+    from fsdp_lesson.config import ModelConfig
+    from fsdp_lesson.data import Dataset, GlobalBatchSampler, rank_slice
+    from fsdp_lesson.memory import MemoryLedger
+    from fsdp_lesson.model import MLP, loss_and_grads
+    from fsdp_lesson.optim import SGD
+    from fsdp_lesson.rng import make_rng
+    from fsdp_lesson.strategies import zero2
+    from fsdp_lesson.train import train_step
+
+    class GradientsOnly(zero2.ZeRO2):  # zero2 without its update: the shards stay the mean's
+        name = "gradients_only"
+
+        def step(self):
+            pass
+
+    data, comm, model, rng = Dataset.load(), Comm.world(), MLP(ModelConfig()), make_rng(42)
+    params = model.init_params(rng)
+    strategy = GradientsOnly(model, SGD(0.1), comm, MemoryLedger(comm.rank))
+    strategy.load_params(params)
+    X, Y = GlobalBatchSampler(data.X_train, data.Y_train, 32, rng).next()
+    train_step(model, strategy, rank_slice(X, comm.rank, comm.size),
+               rank_slice(Y, comm.rank, comm.size))
+    _, whole = loss_and_grads(model, params, X, Y)  # the whole batch's gradient, on one rank
+    norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for p in whole.values()
+                       for g in p.values()))
+    squares = sum(float(np.dot(g.astype(np.float64), g)) for g in strategy.grad_shards.values())
+
+    def factor(of_norm: float) -> float:
+        return min(1.0, max_norm / (of_norm + 1e-6))
+
+    answer = __main__.clip_factor(strategy.grad_shards, comm, max_norm)
+    return {"answer": None if not_solved(answer) else float(answer),
+            "whole": factor(norm),
+            "own shards": factor(np.sqrt(squares)),
+            "mean of squares": factor(np.sqrt(comm.mean_scalar(squares))),
+            "mean of norms": factor(comm.mean_scalar(float(np.sqrt(squares))))}
+
+
+CLIP_MISTAKES = {
+    "own shards": "the norm of this rank's shards alone: every rank clips by a different factor"
+                  " — the squares of every rank's shards must be added up (comm.mean_scalar)",
+    "mean of squares": "the mean of the ranks' squares is the sum / N: multiply by comm.size"
+                       " before the square root",
+    "mean of norms": "the mean of the ranks' norms is not the whole gradient's norm: add up"
+                     " the squares, not the norms",
+}
+
+
+def check_clip_factor(ranks, atol: float = 1e-6) -> bool:
+    """Exercise 4: the engines' clip_factor against the whole gradient's, on every rank; a
+    wrong answer is matched against the three usual mistakes and named."""
+    name = "clip_factor"
+    factors = ranks.run(clip_factors_on_a_rank, timeout=120)
+    if any(f["answer"] is None for f in factors):
+        return fail(f"✗ {name}: {NOT_SOLVED}")
+    wrong = [r for r, f in enumerate(factors) if not abs(f["answer"] - f["whole"]) <= atol]
+    if not wrong:
+        print(f"✓ {name}: correct on all {len(factors)} ranks")
+        return True
+    for mistake, words in CLIP_MISTAKES.items():
+        if all(abs(f["answer"] - f[mistake]) <= atol for f in factors):
+            return fail(f"✗ {name}: {words}")
+    same = len({round(f["answer"], 12) for f in factors}) == 1
+    how = "the same on every rank, but not the whole gradient's" if same else (
+        "different on the ranks: every rank must find the whole gradient's factor")
+    return fail(f"✗ {name}: rank {wrong[0]}'s factor is {how}; the norm is the square root"
+                " of the sum of every rank's squares")
