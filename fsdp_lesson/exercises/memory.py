@@ -39,7 +39,7 @@ def check_smallest_n(smallest_n: Callable) -> bool:
     three model sizes and two GPUs; the first case that differs is named, and how."""
     hint = ("from the ZeRO table: which part does the stage keep whole on every GPU, which part"
             " does it divide by N?")
-    cases = [(s, p, g) for s in plan.STAGES for p in (1.3e9, 7e9, 70e9)
+    cases = [(s, p, g) for s in plan.PLANNED for p in (1.3e9, 7e9, 70e9)
              for g in (40 * 2**30, 80 * 2**30)]
     answers = [smallest_n(*case) for case in cases]
     expected = [searched_n(*case) for case in cases]
