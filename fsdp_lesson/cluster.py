@@ -624,16 +624,23 @@ def run_on_engine(model_config, train_config, run_config=None) -> dict:
     """What a notebook runs on every engine (Ranks.run): train on MPI.COMM_WORLD.
 
     Returns this rank's History as a dict, plus "params", the full parameters gathered
-    (identical on every rank). Rank 0 feeds the notebook's progress line.
+    (identical on every rank), and "placements", where this rank's state lies on the mesh
+    (strategies.base.placement_table). Rank 0 feeds the notebook's progress line.
     """
     from .comm import Comm
+    from .strategies.base import placement_table
     from .train import run
 
     collectives = "mpi" if run_config is None else run_config.collectives
     history, strategy = run(
         model_config, train_config, run_config, Comm.world(collectives), on_log=report_progress
     )
-    return history.to_dict() | {"params": strategy.full_params(), "rank": strategy.comm.rank}
+    params, placements = strategy.full_params(), placement_table(strategy)
+    return history.to_dict() | {
+        "params": params,
+        "rank": strategy.comm.rank,
+        "placements": placements,
+    }
 
 
 def report_progress(step: int, loss: float) -> None:
