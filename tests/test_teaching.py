@@ -92,7 +92,7 @@ def test_every_quoted_message_names_a_checker_that_exists():
             if name.startswith("...") or name.startswith("claim does not hold"):
                 continue
             template = re.sub(r"\d+|True|False", r"\\{[^}]*\\}", re.escape(name))  # f"K={k}"
-            variable = re.sub(r"\\\([^)]*\\\)", r"\\(\\{[^}]*\\}\\)", re.escape(name))  # "({stage})"
+            variable = re.sub(r"\\\([^)]*\\\)", r"\\(\\{[^}]*\\}\\)", re.escape(name))  # "({s})"
             found = re.search(template, source) or re.search(variable, source)
             assert name in source or found, (
                 f"teaching.md {number} quotes {quote!r}: no checker is named {name!r}"
