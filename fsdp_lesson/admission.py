@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from . import plan
+from .bounds import meminfo
 from .comm import Comm, ranks_on_this_host
 from .config import ModelConfig, TrainConfig
 from .data import batch_bytes, load_bytes
@@ -146,17 +147,5 @@ def _batch_hint(model_config: ModelConfig, tc: TrainConfig, n: int, need: int) -
 def agreed_available_memory(comm: Comm) -> int | None:
     """The least available memory any rank read (a collective): one figure, so that every
     rank refuses a run with the same line, however the machine's memory moved between reads."""
-    readings = [r for r in comm.allgather_objects(available_memory()) if r is not None]
+    readings = [r for r in comm.allgather_objects(meminfo("MemAvailable")) if r is not None]
     return min(readings) if readings else None
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (Linux), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

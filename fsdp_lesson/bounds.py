@@ -45,12 +45,14 @@ def rounded(n: int) -> str:
     return f"{digits[0]}.{digits[1:3]}e+{len(digits) - 1}"
 
 
-def machine_memory() -> int | None:
-    """MemTotal of /proc/meminfo in bytes: the same on every rank of a host, and constant."""
+def meminfo(field: str) -> int | None:
+    """A field of /proc/meminfo in bytes ("MemTotal": the same on every rank of a host, and
+    constant; "MemAvailable": what the machine can still give), or None where it cannot be
+    read (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -66,7 +68,7 @@ def check_model_fits(config: ModelConfig, ranks: int, budget_mb: float | None = 
     limits = []
     if budget_mb is not None:
         limits.append((budget_mb * MIB, f"the budget of {budget_mb:g} MiB"))
-    total = machine_memory()
+    total = meminfo("MemTotal")
     if total is not None:
         limits.append((total, f"this machine's memory ({total / MIB:,.0f} MiB in all)"))
     limits.append((ADDRESSABLE, "what numpy can address"))

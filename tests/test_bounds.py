@@ -7,8 +7,6 @@ element, a setup quadratic in the layers) or gigabytes (a model of 10^8 layers, 
 whole), so it fails here; a bounded refusal takes a fraction of a second and ~50 MB.
 """
 
-import hashlib
-import json
 import resource
 import subprocess
 import sys
@@ -17,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_limits import resign  # a checkpoint manifest edited and signed again
 
 from fsdp_lesson.bounds import layers_with_parameters, parameter_count
 from fsdp_lesson.checkpoint import rank_file
@@ -45,16 +44,6 @@ def one_line(result: subprocess.CompletedProcess, text: str) -> None:
     assert text in result.stderr, result.stderr[-2000:]
     assert result.stderr.count("\n") == 1, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "unexpected" not in result.stderr
-
-
-def resign(ckpt: Path, edit=None, files=()) -> None:
-    """Edit a checkpoint's manifest and sign it again (as test_limits.resign)."""
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    for name in files:
-        manifest["files"][name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
-    text = json.dumps(edit(manifest) if edit else manifest).encode()
-    (ckpt / "manifest.json").write_bytes(text)
-    (ckpt / "manifest.sha256").write_text(hashlib.sha256(text).hexdigest())
 
 
 # --- model sizes ---------------------------------------------------------------------------

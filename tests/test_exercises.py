@@ -53,8 +53,11 @@ def test_smallest_n_checkers_pass_the_key_and_name_each_mistake(capsys, student)
         unsharded = {"dp": 16, "zero1": 4, "zero2": 2, "zero3": 0}[stage] * psi
         if unsharded > gpu or (unsharded == gpu and 16 * psi - unsharded):
             return math.inf
-        return 1 if unsharded == 16 * psi else max(1, math.ceil((16 * psi - unsharded)
-                                                                / (gpu - unsharded)))
+        return (
+            1
+            if unsharded == 16 * psi
+            else max(1, math.ceil((16 * psi - unsharded) / (gpu - unsharded)))
+        )
 
     assert memory.check_smallest_n(key)
     assert not memory.check_smallest_n(lambda s, p, g: 1 if s == "dp" else key(s, p, g))
@@ -71,22 +74,27 @@ def test_hiding_batch_checker_names_the_stage_and_hides_the_formula(capsys, stud
 
     assert communication.check_hiding_batch(key)
     assert not communication.check_hiding_batch(
-        lambda stage, n, flops, bandwidth: key("dp", n, flops, bandwidth))
+        lambda stage, n, flops, bandwidth: key("dp", n, flops, bandwidth)
+    )
     out = lines(capsys)
     assert out[-1].startswith("✗ hiding_batch (zero3): item 0: too small")
     assert communication.batch_that_hides("zero3", 512, 989e12, 50e9) == pytest.approx(
-        key("zero3", 512, 989e12, 50e9))
+        key("zero3", 512, 989e12, 50e9)
+    )
 
 
 def test_owned_shards_name_a_converted_dtype_once():
     expected = {f"fc{i}.{w}": np.arange(4, dtype=np.float32) for i in (1, 2) for w in ("m", "v")}
     converted = {key: value.astype(np.float16) for key, value in expected.items()}
     (line,) = checkpoints.shard_problems(converted, expected)
-    assert line == ("fc1.m: float16 values, where the state is float32 (and 3 more arrays): keep"
-                    " the array's own dtype (cut it, do not convert it)")
+    assert line == (
+        "fc1.m: float16 values, where the state is float32 (and 3 more arrays): keep"
+        " the array's own dtype (cut it, do not convert it)"
+    )
     wrong = dict(expected, **{"fc2.v": expected["fc2.v"] + 1})
     assert checkpoints.shard_problems(wrong, expected) == [
-        "fc2.v: item 0: one too many (and 3 more)"]
+        "fc2.v: item 0: one too many (and 3 more)"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +135,9 @@ def stage_pass(stage, params, pp, x, y, dtype=np.float32, send_on=True):
 def rehearse(seed_pass, rank, **mistake):
     model, params, X, Y = seed_pass
     stage = Stage(model, 2, rank)
-    rehearsal = pipeline.Rehearsal(stage, rank, len(Y),
-                                   *pipeline.boundary_values(model, params, stage, X, Y))
+    rehearsal = pipeline.Rehearsal(
+        stage, rank, len(Y), *pipeline.boundary_values(model, params, stage, X, Y)
+    )
     grads = stage_pass(stage, params, rehearsal, X, Y, **mistake)
     return grads, pipeline.missing_messages(stage, rehearsal)
 
@@ -145,12 +154,16 @@ def test_the_rehearsal_answers_with_the_true_neighbour_values(seed_pass):
 
 
 def test_the_rehearsal_refuses_a_float64_buffer_and_names_a_missing_send(seed_pass):
-    with pytest.raises(pipeline.StagePassError, match="^stage 1: receives from rank 0 with a"
-                                                      " float64 buffer; the stages exchange"):
+    with pytest.raises(
+        pipeline.StagePassError,
+        match="^stage 1: receives from rank 0 with a float64 buffer; the stages exchange",
+    ):
         rehearse(seed_pass, 1, dtype=np.float64)
     _, missing = rehearse(seed_pass, 0, send_on=False)
-    assert missing == ("stage 0 never sends its output to stage 1 (pp.send(..., 1)): stage 1"
-                       " would wait for it forever")
+    assert missing == (
+        "stage 0 never sends its output to stage 1 (pp.send(..., 1)): stage 1"
+        " would wait for it forever"
+    )
 
 
 def test_no_checker_line_prints_an_expected_figure(capsys, student):

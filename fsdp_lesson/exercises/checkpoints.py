@@ -25,11 +25,16 @@ def shard_problems(yours: dict, expected: dict) -> list[str]:
             continue
         mine, theirs = np.asarray(yours[key]), expected[key]
         if mine.dtype != theirs.dtype:  # one line for all: a conversion is rarely one array's
-            converted = [k for k in expected if k in yours
-                         and np.asarray(yours[k]).dtype != expected[k].dtype]
+            converted = [
+                k
+                for k in expected
+                if k in yours and np.asarray(yours[k]).dtype != expected[k].dtype
+            ]
             more = f" (and {len(converted) - 1} more arrays)" if len(converted) > 1 else ""
-            return problems + [f"{key}: {mine.dtype} values, where the state is {theirs.dtype}"
-                               f"{more}: keep the array's own dtype (cut it, do not convert it)"]
+            return problems + [
+                f"{key}: {mine.dtype} values, where the state is {theirs.dtype}"
+                f"{more}: keep the array's own dtype (cut it, do not convert it)"
+            ]
         elif not np.array_equal(mine, theirs):
             problems.append(f"{key}: {how_wrong(mine, theirs)}")
     return problems
@@ -69,8 +74,9 @@ def check_owned_shards(ranks, my_owned_shards: Callable) -> bool:
         verdicts = ranks.run(owned_shards_verdict, name, my_owned_shards, timeout=120)
         if any(verdict is None for verdict in verdicts):
             return check("my_owned_shards", None, None)
-        wrong += [f"  {name} rank {r}: {p}"
-                  for r, problems in enumerate(verdicts) for p in problems]
+        wrong += [
+            f"  {name} rank {r}: {p}" for r, problems in enumerate(verdicts) for p in problems
+        ]
     if wrong:
         print("✗ my_owned_shards differs from what the package saves:", *wrong[:8], sep="\n")
         return fail("  (my_owned_shards: see the lines above)")
@@ -84,8 +90,9 @@ def file_array_bytes(path: Path) -> int:
         return sum(arrays[key].nbytes for key in arrays.files)
 
 
-def check_checkpoint_bytes(checkpoint_array_bytes: Callable, layouts: dict[str, FlatParam],
-                           written: dict[int, Path]) -> bool:
+def check_checkpoint_bytes(
+    checkpoint_array_bytes: Callable, layouts: dict[str, FlatParam], written: dict[int, Path]
+) -> bool:
     """Exercise 3: checkpoint_array_bytes(n) against the files written at each N of `written`
     (a checkpoint directory per N) and, at N = 1 and 3, against FlatParam's shard sizes."""
     expected = {}
@@ -97,7 +104,10 @@ def check_checkpoint_bytes(checkpoint_array_bytes: Callable, layouts: dict[str, 
     for n in (1, 3):  # three float32 arrays (params, m, v) of each layer's shard
         expected[n] = 3 * 4 * sum(FlatParam(f.shapes, n).shard_size for f in layouts.values())
     counts = sorted(expected)
-    return check("checkpoint_array_bytes", [checkpoint_array_bytes(k) for k in counts],
-                 [expected[k] for k in counts],
-                 hint="a rank's file holds its slice of each layer's padded vector, for each"
-                      " array Adam keeps")
+    return check(
+        "checkpoint_array_bytes",
+        [checkpoint_array_bytes(k) for k in counts],
+        [expected[k] for k in counts],
+        hint="a rank's file holds its slice of each layer's padded vector, for each"
+        " array Adam keeps",
+    )

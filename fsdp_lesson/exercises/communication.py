@@ -20,11 +20,18 @@ def check_hiding_batch(hiding_batch: Callable) -> bool:
     """dp and zero3 on an A100-like and an H100-like GPU, 25, 50 and 450 GB/s, N = 8 and 512;
     one verdict per stage, so that it names the stage that is wrong."""
     for stage in ("dp", "zero3"):
-        cases = [(stage, n, f, w) for n in (8, 512)
-                 for f, w in ((312e12, 25e9), (989e12, 50e9), (989e12, 450e9))]
-        if not check(f"hiding_batch ({stage})", [hiding_batch(*case) for case in cases],
-                     [batch_that_hides(*case) for case in cases], atol=1e-6,
-                     hint="set the compute time equal to the communication time and solve for"
-                          " the batch; count the bytes of each collective of the stage"):
+        cases = [
+            (stage, n, f, w)
+            for n in (8, 512)
+            for f, w in ((312e12, 25e9), (989e12, 50e9), (989e12, 450e9))
+        ]
+        if not check(
+            f"hiding_batch ({stage})",
+            [hiding_batch(*case) for case in cases],
+            [batch_that_hides(*case) for case in cases],
+            atol=1e-6,
+            hint="set the compute time equal to the communication time and solve for"
+            " the batch; count the bytes of each collective of the stage",
+        ):
             return False
     return True

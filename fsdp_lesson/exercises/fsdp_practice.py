@@ -27,8 +27,10 @@ def groups_on_engine(model_config, replicate: int) -> tuple[list[int], list[int]
 
     world = Comm.world()
     strategy = ZeRO3(MLP(model_config), SGD(0.1), world, MemoryLedger(), replicate=replicate)
-    return (strategy.shard_comm.allgather_objects(world.rank),
-            strategy.replica_comm.allgather_objects(world.rank))
+    return (
+        strategy.shard_comm.allgather_objects(world.rank),
+        strategy.replica_comm.allgather_objects(world.rank),
+    )
 
 
 def groups_mistake(answer, actual: dict[str, list[list[int]]]) -> str | None:
@@ -42,12 +44,16 @@ def groups_mistake(answer, actual: dict[str, list[list[int]]]) -> str | None:
         except (TypeError, ValueError):
             return f"the {kind} groups must be a list of lists of ranks"
         if len(yours) != len(groups):
-            return (f"{len(yours)} {kind} groups, not as many as the communicators form"
-                    f" — {GROUP_HINTS[kind]}")
+            return (
+                f"{len(yours)} {kind} groups, not as many as the communicators form"
+                f" — {GROUP_HINTS[kind]}"
+            )
         for i, (mine, theirs) in enumerate(zip(yours, groups, strict=True)):
             if mine != theirs:
-                return (f"{kind} group {i} is {mine}: not the ranks that communicator holds"
-                        f" — {GROUP_HINTS[kind]}")
+                return (
+                    f"{kind} group {i} is {mine}: not the ranks that communicator holds"
+                    f" — {GROUP_HINTS[kind]}"
+                )
     return None
 
 
@@ -58,8 +64,10 @@ def check_groups(ranks, hsdp_groups: Callable, model_config) -> bool:
         if not_solved(answer):
             return check("groups", None, None)  # the placeholder: "not solved yet"
         per_rank = ranks.run(groups_on_engine, model_config, r, timeout=120)
-        actual = {kind: [list(group) for group in sorted({tuple(g[i]) for g in per_rank})]
-                  for i, kind in enumerate(("shard", "replicate"))}
+        actual = {
+            kind: [list(group) for group in sorted({tuple(g[i]) for g in per_rank})]
+            for i, kind in enumerate(("shard", "replicate"))
+        }
         mistake = groups_mistake(answer, actual)
         if mistake:
             return fail(f"✗ R={r}: {mistake}")
@@ -95,31 +103,35 @@ def clip_factors_on_a_rank(max_norm: float = 0.001) -> dict[str, float]:
     strategy = GradientsOnly(model, SGD(0.1), comm, MemoryLedger(comm.rank))
     strategy.load_params(params)
     X, Y = GlobalBatchSampler(data.X_train, data.Y_train, 32, rng).next()
-    train_step(model, strategy, rank_slice(X, comm.rank, comm.size),
-               rank_slice(Y, comm.rank, comm.size))
+    train_step(
+        model, strategy, rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
+    )
     _, whole = loss_and_grads(model, params, X, Y)  # the whole batch's gradient, on one rank
-    norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for p in whole.values()
-                       for g in p.values()))
+    norm = np.sqrt(
+        sum(np.sum(g.astype(np.float64) ** 2) for p in whole.values() for g in p.values())
+    )
     squares = sum(float(np.dot(g.astype(np.float64), g)) for g in strategy.grad_shards.values())
 
     def factor(of_norm: float) -> float:
         return min(1.0, max_norm / (of_norm + 1e-6))
 
     answer = __main__.clip_factor(strategy.grad_shards, comm, max_norm)
-    return {"answer": None if not_solved(answer) else float(answer),
-            "whole": factor(norm),
-            "own shards": factor(np.sqrt(squares)),
-            "mean of squares": factor(np.sqrt(comm.mean_scalar(squares))),
-            "mean of norms": factor(comm.mean_scalar(float(np.sqrt(squares))))}
+    return {
+        "answer": None if not_solved(answer) else float(answer),
+        "whole": factor(norm),
+        "own shards": factor(np.sqrt(squares)),
+        "mean of squares": factor(np.sqrt(comm.mean_scalar(squares))),
+        "mean of norms": factor(comm.mean_scalar(float(np.sqrt(squares)))),
+    }
 
 
 CLIP_MISTAKES = {
     "own shards": "the norm of this rank's shards alone: every rank clips by a different factor"
-                  " — the squares of every rank's shards must be added up (comm.mean_scalar)",
+    " — the squares of every rank's shards must be added up (comm.mean_scalar)",
     "mean of squares": "the mean of the ranks' squares is the sum / N: multiply by comm.size"
-                       " before the square root",
+    " before the square root",
     "mean of norms": "the mean of the ranks' norms is not the whole gradient's norm: add up"
-                     " the squares, not the norms",
+    " the squares, not the norms",
 }
 
 
@@ -138,7 +150,12 @@ def check_clip_factor(ranks, atol: float = 1e-6) -> bool:
         if all(abs(f["answer"] - f[mistake]) <= atol for f in factors):
             return fail(f"✗ {name}: {words}")
     same = len({round(f["answer"], 12) for f in factors}) == 1
-    how = "the same on every rank, but not the whole gradient's" if same else (
-        "different on the ranks: every rank must find the whole gradient's factor")
-    return fail(f"✗ {name}: rank {wrong[0]}'s factor is {how}; the norm is the square root"
-                " of the sum of every rank's squares")
+    how = (
+        "the same on every rank, but not the whole gradient's"
+        if same
+        else ("different on the ranks: every rank must find the whole gradient's factor")
+    )
+    return fail(
+        f"✗ {name}: rank {wrong[0]}'s factor is {how}; the norm is the square root"
+        " of the sum of every rank's squares"
+    )

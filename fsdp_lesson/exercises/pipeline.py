@@ -43,19 +43,25 @@ class Rehearsal:
         neighbour, in one line."""
         ahead, behind = self.rank + 1, self.rank - 1
         if peer not in (ahead, behind) or not 0 <= peer < self.size:
-            raise StagePassError(f"stage {self.rank}: {what} rank {peer}, which is not a"
-                                 " neighbour stage (pp.rank + 1 forward, pp.rank - 1 back)")
+            raise StagePassError(
+                f"stage {self.rank}: {what} rank {peer}, which is not a"
+                " neighbour stage (pp.rank + 1 forward, pp.rank - 1 back)"
+            )
         buf = np.asarray(buf)
         if buf.dtype != np.float32:
-            raise StagePassError(f"stage {self.rank}: {what} rank {peer} with a {buf.dtype}"
-                                 " buffer; the stages exchange float32: np.empty(shape,"
-                                 " np.float32)")
+            raise StagePassError(
+                f"stage {self.rank}: {what} rank {peer} with a {buf.dtype}"
+                " buffer; the stages exchange float32: np.empty(shape,"
+                " np.float32)"
+            )
         width = self.stage.out_width if peer == ahead else self.stage.in_width
         if buf.shape != (self.rows, width):
             side = "stage.out_width" if peer == ahead else "stage.in_width"
-            raise StagePassError(f"stage {self.rank}: {what} rank {peer} with a buffer of shape"
-                                 f" {buf.shape}; across that boundary go (rows of the"
-                                 f" micro-batch, {side}) arrays")
+            raise StagePassError(
+                f"stage {self.rank}: {what} rank {peer} with a buffer of shape"
+                f" {buf.shape}; across that boundary go (rows of the"
+                f" micro-batch, {side}) arrays"
+            )
 
     def send(self, buf, to: int, tag: str = "") -> Sent:
         self._boundary("sends to", buf, to)
@@ -97,18 +103,23 @@ def missing_messages(stage, rehearsal: Rehearsal) -> str | None:
     for peer in wanted_sends:
         if peer not in rehearsal.sent:
             what = "its output" if peer == rank + 1 else "the gradient of its input"
-            return (f"stage {rank} never sends {what} to stage {peer} (pp.send(..., {peer})):"
-                    f" stage {peer} would wait for it forever")
+            return (
+                f"stage {rank} never sends {what} to stage {peer} (pp.send(..., {peer})):"
+                f" stage {peer} would wait for it forever"
+            )
     for peer in wanted_recvs:
         if peer not in rehearsal.received:
             what = "its input" if peer == rank - 1 else "the gradient of its output"
             return f"stage {rank} never receives {what} from stage {peer} (pp.recv)"
     if sorted(rehearsal.sent) != sorted(wanted_sends):
-        return (f"stage {rank} sends {len(rehearsal.sent)} messages; it has"
-                f" {len(wanted_sends)} to send")
+        return (
+            f"stage {rank} sends {len(rehearsal.sent)} messages; it has {len(wanted_sends)} to send"
+        )
     if sorted(rehearsal.received) != sorted(wanted_recvs):
-        return (f"stage {rank} receives {len(rehearsal.received)} messages; it has"
-                f" {len(wanted_recvs)} to receive")
+        return (
+            f"stage {rank} receives {len(rehearsal.received)} messages; it has"
+            f" {len(wanted_recvs)} to receive"
+        )
     return None
 
 
@@ -143,8 +154,11 @@ def stage_pass_items() -> list | str:
     finally:
         pair.timeout = timeout
     _, whole = loss_and_grads(ns.model, params, X, Y)
-    return [(f"{name}.{k}", (answer.get(name) or {}).get(k, np.empty(0)), whole[name][k])
-            for name in (layer.name for layer in stage.layers) for k in whole[name]]
+    return [
+        (f"{name}.{k}", (answer.get(name) or {}).get(k, np.empty(0)), whole[name][k])
+        for name in (layer.name for layer in stage.layers)
+        for k in whole[name]
+    ]
 
 
 def check_stage_pass(ranks) -> bool:
@@ -159,13 +173,18 @@ def check_stage_pass(ranks) -> bool:
         if err.ename != "EngineError":  # the learner's code raised: its traceback says where
             raise
         # the watchdog ended the job: a real send or receive waited past REAL_RUN_TIMEOUT
-        return fail(f"✗ my_stage_pass: in the real run rank {err.rank} (or its neighbour) waited"
-                    f" more than {REAL_RUN_TIMEOUT:g} s for a message the other stage never sent"
-                    " (the rehearsal passed: one stage takes a path the other does not); the"
-                    " engines were restarted: run the setup %%px cell above again")
+        return fail(
+            f"✗ my_stage_pass: in the real run rank {err.rank} (or its neighbour) waited"
+            f" more than {REAL_RUN_TIMEOUT:g} s for a message the other stage never sent"
+            " (the rehearsal passed: one stage takes a path the other does not); the"
+            " engines were restarted: run the setup %%px cell above again"
+        )
     lines = [line for line in per_rank if isinstance(line, str) and line]
     if lines:
         return fail(f"✗ my_stage_pass: {lines[0]}")
-    return verdict("my_stage_pass", per_rank,
-                   hint="forward: receive, run the layers, send on (or the loss); backward: "
-                        "receive the gradient (or the loss's), layers in reverse, send dx back")
+    return verdict(
+        "my_stage_pass",
+        per_rank,
+        hint="forward: receive, run the layers, send on (or the loss); backward: "
+        "receive the gradient (or the loss's), layers in reverse, send dx back",
+    )

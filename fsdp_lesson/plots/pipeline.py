@@ -107,10 +107,16 @@ def bubble_curves(
         m_values = sorted(points)
         # a marker of its own per series, filled and hollow in turn, the hollow ones larger:
         # two stages' points that nearly coincide both stay visible
-        ax.plot(m_values, [points[m] for m in m_values], linestyle="none",
-                marker=MEASURED_MARKERS[i % len(MEASURED_MARKERS)], color="black",
-                markerfacecolor="black" if i % 2 == 0 else "none", markersize=6 + 3 * (i % 2),
-                label=label)
+        ax.plot(
+            m_values,
+            [points[m] for m in m_values],
+            linestyle="none",
+            marker=MEASURED_MARKERS[i % len(MEASURED_MARKERS)],
+            color="black",
+            markerfacecolor="black" if i % 2 == 0 else "none",
+            markersize=6 + 3 * (i % 2),
+            label=label,
+        )
     ax.set(xlabel="micro-batches per step M", ylabel="idle fraction of the step", ylim=(0, 1),
            title="the pipeline bubble (p − 1)/(m + p − 1)")  # fmt: skip
     ax.set_xscale("log", base=2)
