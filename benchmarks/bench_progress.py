@@ -18,6 +18,7 @@ send such messages of up to 64 KB in one shared-memory cell.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -52,6 +53,7 @@ def wait_ms(world, kind: str, full: np.ndarray, shard: np.ndarray) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help only
     world = MPI.COMM_WORLD
     n = world.size
     units = [layer for layer in MLP(ModelConfig()).layers if layer.shapes]

@@ -288,6 +288,15 @@ def build_root(scratch: Path) -> Path:
     new.mkdir(exist_ok=True)
     mount("--make-rprivate", "/")
     mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", str(new))
+    # the fresh places first: a checkout (or its venv) under /tmp is then bound on top of them
+    (new / "dev").mkdir()
+    mount("--rbind", "/dev", str(new / "dev"))
+    mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(new / "dev" / "shm"))
+    (new / "proc").mkdir()
+    mount("-t", "proc", "proc", str(new / "proc"))
+    for place, mode in (("tmp", "1777"), ("var/tmp", "1777"), ("run", "755")):
+        (new / place).mkdir(parents=True)
+        mount("-t", "tmpfs", "-o", f"mode={mode}", "tmpfs", str(new / place))
     shown = ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc", "/sys",
              sys.base_prefix, sys.prefix, str(ROOT / "fsdp_lesson"), str(ROOT / "data"),
              str(ROOT / "tools"), str(ROOT / "tests" / "fixtures")]  # fmt: skip
@@ -300,14 +309,6 @@ def build_root(scratch: Path) -> Path:
             target.mkdir(parents=True, exist_ok=True)
             mount("--rbind", source, str(target))
             mount("-o", "remount,bind,ro", str(target))
-    (new / "dev").mkdir()
-    mount("--rbind", "/dev", str(new / "dev"))
-    mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(new / "dev" / "shm"))
-    (new / "proc").mkdir()
-    mount("-t", "proc", "proc", str(new / "proc"))
-    for place, mode in (("tmp", "1777"), ("var/tmp", "1777"), ("run", "755")):
-        (new / place).mkdir(parents=True)
-        mount("-t", "tmpfs", "-o", f"mode={mode}", "tmpfs", str(new / place))
     for place, source in ((HOME, scratch / "work"), (RESULTS, scratch / "out")):
         (new / place.lstrip("/")).mkdir(parents=True)
         mount("--bind", str(source), str(new / place.lstrip("/")))
