@@ -261,7 +261,9 @@ def pipeline_step(
 
 
 def from_last_stage(pp: Comm, value: float) -> float:
-    """The last stage's value on every stage (a float64 broadcast over pp)."""
+    """The last stage's value on every stage (a float64 broadcast over pp; one stage: itself)."""
+    if pp.size == 1:
+        return value
     buf = np.array([value], dtype=np.float64)
     return float(pp.bcast(buf, root=pp.size - 1)[0])
 
@@ -294,10 +296,10 @@ def pipeline_next_token(
     train.sample_name chooses it, chosen on the last stage and broadcast to every stage."""
     logits = pipeline_forward(stage, strategy, pp, context)
     token = np.zeros(1, dtype=np.int32)
-    if logits is not None:
+    if logits is not None:  # walk the probabilities with a running float32 sum: the first >= u
         probs = softmax(logits)[0]
         token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
-    return int(pp.bcast(token, root=pp.size - 1)[0])
+    return int(token[0] if pp.size == 1 else pp.bcast(token, root=pp.size - 1)[0])
 
 
 def gather_stages(stage_params: dict[str, Params], pp: Comm) -> dict[str, Params]:
