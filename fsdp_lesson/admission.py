@@ -38,6 +38,7 @@ def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n:
                 tc.batch // dp,
                 recompute=tc.recompute,
                 tp=tc.tp,
+                sequence_parallel=tc.sequence_parallel,
                 stage=stage,
                 **options,
             ).values()

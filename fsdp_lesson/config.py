@@ -26,6 +26,7 @@ ACCUM_REDUCE = ("every", "last")
 SHARD_GROUPS = ("consecutive", "strided")
 COLLECTIVES = ("mpi", "ring")
 SCHEDULES = ("gpipe", "1f1b")
+MODELS = ("mlp", "gpt")  # model.py's MLP (the C program's), gpt.py's transformer
 PRECISIONS = ("fp32", "bf16", "fp16")  # precision.py: what each keeps in 16 bits
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the C program's rate
 
@@ -98,22 +99,44 @@ def positive_float(text: str) -> float:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The character-level MLP: embedding -> layers x (Linear, ReLU) -> Linear -> softmax."""
+    """The network. mlp, the C program's: embedding -> layers x (Linear, ReLU) -> Linear ->
+    softmax; gpt: embedding -> layers x transformer block -> LayerNorm, Linear (gpt.py)."""
 
     vocab_size: int = 27  # token 0 is '.', the boundary; a-z are 1-26
     seq_len: int = 16  # context length
     emb: int = flag("--emb", 16, "embedding width", type=positive_int)
-    hidden: int = flag("--hidden", 64, "hidden width", type=positive_int)
+    hidden: int = flag(
+        "--hidden", 64, "hidden width (gpt: its MLP's, 4 x --emb by default)", type=positive_int
+    )
     layers: int = flag(
-        "--layers", 1, "hidden Linear+ReLU blocks (1: the C program's model)", type=positive_int
+        "--layers",
+        1,
+        "mlp: hidden Linear+ReLU blocks (1: the C program's model); gpt: transformer blocks",
+        type=positive_int,
+    )
+    model: str = flag(
+        "--model",
+        "mlp",
+        "mlp: the C program's character-level MLP; gpt: a causal transformer that predicts"
+        " every position (gpt.py)",
+        choices=MODELS,
+    )
+    heads: int = flag(
+        "--heads", 4, "gpt: attention heads (--emb must be a multiple)", type=positive_int
     )
 
     def validate(self) -> None:
+        _require_choices(self)
         for name, value in asdict(self).items():
             _require(
-                isinstance(value, int) and value >= 1,
+                name == "model" or (isinstance(value, int) and value >= 1),
                 f"{name} must be a positive integer, got {value!r}",
             )
+        _require(
+            self.model != "gpt" or self.emb % self.heads == 0,
+            f"--emb {self.emb} does not split into {self.heads} heads: use an --emb that is a"
+            f" multiple of --heads (e.g. --emb {self.heads * max(1, self.emb // self.heads)})",
+        )
 
 
 @dataclass(frozen=True)
@@ -209,6 +232,13 @@ class TrainConfig:
         "pipeline parallelism: P stages of consecutive layers; --strategy runs over the"
         " N / (T * P) ranks that hold the same piece",
         type=positive_int,
+    )
+    sequence_parallel: bool = flag(
+        "--sequence-parallel",
+        False,
+        "gpt with --tp: split the LayerNorms and the residual stream along the sequence over"
+        " the tp ranks (allgather + reduce-scatter in place of tp's allreduce)",
+        action="store_true",
     )
     micro_batches: int = flag(
         "--micro-batches",
@@ -329,6 +359,35 @@ def check_zero3_options(tc: TrainConfig) -> None:
         "--c-compat zero3 reproduces the C FSDP programs, which keep each rank's biases "
         "local in float32 (strategies/zero3/local_biases.py): drop --precision and "
         "--clip-grad-norm, or --c-compat",
+    )
+
+
+def check_model_options(mc: ModelConfig, tc: TrainConfig) -> None:
+    """What the model and the way it is trained must agree on."""
+    if mc.model == "mlp":
+        _require(
+            not tc.sequence_parallel,
+            "--sequence-parallel splits a transformer's sequence: use it with --model gpt",
+        )
+        return
+    _require(
+        not tc.c_compat,
+        "--c-compat reproduces the C programs, which train the MLP: drop --model gpt or --c-compat",
+    )
+    _require(
+        mc.heads % tc.tp == 0,
+        f"--tp {tc.tp} splits attention by heads, and {mc.heads} heads do not split into"
+        f" {tc.tp}: use --heads that is a multiple of --tp",
+    )
+    _require(
+        not tc.sequence_parallel or tc.tp > 1,
+        "--sequence-parallel splits along the sequence what --tp replicates: use it with"
+        " --tp T (T > 1)",
+    )
+    _require(
+        not tc.sequence_parallel or mc.seq_len % tc.tp == 0,
+        f"--sequence-parallel gives each of --tp {tc.tp} ranks an equal part of the"
+        f" {mc.seq_len} positions: use a --tp that divides {mc.seq_len}",
     )
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .config import ModelConfig
-from .model import MLP
+from .models import build_model
 from .sharding import SHARD_LEVEL, STRATEGIES, is_sharded
 
 PLANNED = tuple(s for s in STRATEGIES if s != "single")  # the strategies one plans for N ranks
@@ -297,7 +297,10 @@ def fitting_meshes(
 
 def layer_sizes(model_config: ModelConfig) -> list[int]:
     """Parameters of each layer, in order (0 for ReLU)."""
-    return [sum(math.prod(s) for s in layer.shapes.values()) for layer in MLP(model_config).layers]
+    return [
+        sum(math.prod(s) for s in layer.shapes.values())
+        for layer in build_model(model_config).layers
+    ]
 
 
 def padded(size: int, n: int) -> int:
@@ -334,6 +337,7 @@ def ledger_bytes(
     stage: int = 0,
     micro_batches: int = 1,
     schedule: str = "gpipe",
+    sequence_parallel: bool = False,
     **options,
 ) -> dict:
     """What MemoryLedger's peaks per category will be for this run, to the byte: the
@@ -367,6 +371,7 @@ def ledger_bytes(
         stage=stage,
         micro_batches=micro_batches,
         schedule=schedule,
+        sequence_parallel=sequence_parallel,
         **{k: v for k, v in options.items() if k in STRATEGY_CLASSES[strategy].options},
     )
     return dict(ledger.peak)

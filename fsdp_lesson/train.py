@@ -24,11 +24,12 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .comm import Comm, raise_on_every_rank
-from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from .config import ConfigError, ModelConfig, RunConfig, TrainConfig, check_model_options
 from .data import DEFAULT_PATH, DataError, Dataset, GlobalBatchSampler, decode, rank_slice
 from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .mesh import Mesh
-from .model import MLP, Params
+from .model import Model, Params
+from .models import build_model
 from .optim import make_optimizer
 from .passes import backward, forward
 from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, pipeline_step
@@ -36,12 +37,11 @@ from .placement import differing_replicas
 from .rng import Rng, make_rng
 from .strategies import Strategy, make_strategy, strategy_options
 from .strategies.base import state_regions
-from .tensor import megatron
 from .watchdog import WHERE, in_phase
 
 
 def train_step(
-    model: MLP,
+    model: Model,
     strategy: Strategy,
     X: np.ndarray,
     Y: np.ndarray,
@@ -73,8 +73,10 @@ def train_step(
 def training_step(stage: Stage, strategy: Strategy, X: np.ndarray, Y: np.ndarray, tc: TrainConfig):
     """One optimizer step on this rank's rows: its stage's part of the pipeline's schedule
     (with one stage, train_step's forward and backward of each micro-batch); this rank's loss."""
-    M = tc.accum * tc.micro_batches
-    return pipeline_step(stage, strategy, stage.pp, X, Y, M, tc.schedule, recompute=tc.recompute)
+    M, targets = tc.accum * tc.micro_batches, stage.targets(X, Y)
+    return pipeline_step(
+        stage, strategy, stage.pp, X, targets, M, tc.schedule, recompute=tc.recompute
+    )
 
 
 def whole_params(strategy: Strategy) -> dict[str, Params]:
@@ -94,7 +96,7 @@ def evaluate(
     for _ in range(n_batches):
         X, Y = sampler.next()
         x, y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
-        total += comm.mean_scalar(pipeline_loss(stage, strategy, stage.pp, x, y))
+        total += comm.mean_scalar(pipeline_loss(stage, strategy, stage.pp, x, stage.targets(x, y)))
     return total / n_batches
 
 
@@ -248,7 +250,7 @@ def run(
     mesh = Mesh.of(comm, tc.tp, tc.pp)
     rng = make_rng(tc.seed, tc.c_compat)
     # this rank's stage of the model (P = 1: all of it), its Linears split over mesh.tp
-    model = MLP(model_config, megatron(mesh.tp, tc.c_compat))
+    model = build_model(model_config, mesh.tp, tc.c_compat, tc.sequence_parallel)
     model = Stage(model, tc.pp, mesh.pp.rank, mesh.pp)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
@@ -280,6 +282,7 @@ def prepare(
     """Every refusal a rank can reach before anything is allocated, then the data."""
     tc.validate(comm.size)
     model_config.validate()
+    check_model_options(model_config, tc)
     check_model_fits(model_config, comm.size, tc.memory_budget_mb)  # before any dry run
     rc.validate()
     if rc.resume is None and rc.checkpoint_dir is not None and not rc.overwrite:
