@@ -116,7 +116,9 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if problem and pp > model.layers:
         parser.error(f"--pp {pp}: {problem}: use --pp {model.layers} or fewer")
     if problem:
-        parser.error(f"--seq-len {args.seq_len}: {problem}: change --seq-len, --cp or --tp")
+        parser.error(
+            f"--seq-len {args.seq_len} with --cp {cp}: {problem}: change --seq-len, --cp or --tp"
+        )
     if args.gpus % (tp * pp * cp):
         mesh = tp * pp * cp
         below, above = args.gpus // mesh * mesh, (args.gpus // mesh + 1) * mesh
