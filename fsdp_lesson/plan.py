@@ -280,6 +280,11 @@ def bubble_fraction(pp: int, micro_batches: int) -> float:
     return (pp - 1) / (micro_batches + pp - 1)
 
 
+def splits_heads(model: Transformer, tp: int) -> bool:
+    """Whether tp GPUs split the query and the key/value heads evenly (Megatron's cut)."""
+    return model.heads % tp == 0 and model.kv_heads % tp == 0
+
+
 def mesh_problem(
     model: Transformer,
     seq_len: int,
@@ -289,7 +294,7 @@ def mesh_problem(
     sequence_parallel: bool = False,
 ) -> str | None:
     """Why the formulas cannot plan this mesh (what would not split evenly), or None."""
-    if model.heads % tp or model.kv_heads % tp:
+    if not splits_heads(model, tp):
         return (
             f"tp {tp} does not divide {model.name}'s {model.heads} query and"
             f" {model.kv_heads} key/value heads"
@@ -404,7 +409,7 @@ def meshes(
     return [
         (gpus // (tp * pp * cp), tp, pp, cp)
         for tp in range(1, min(max_tp, gpus) + 1)
-        if gpus % tp == 0 and mesh_problem(model, 2 * tp, tp) is None
+        if gpus % tp == 0 and splits_heads(model, tp)
         for pp in range(1, min(model.layers, gpus // tp) + 1)
         if (gpus // tp) % pp == 0
         for cp in range(1, min(max_cp, gpus // (tp * pp)) + 1)

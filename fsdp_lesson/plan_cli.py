@@ -30,6 +30,7 @@ from .plan import (
     mesh_problem,
     mesh_traffic_bytes,
     meshes,
+    splits_heads,
     stage_layers,
 )
 
@@ -110,8 +111,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     model = MODELS[args.model]
     tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
     problem = mesh_problem(model, args.seq_len, tp, pp, cp, args.sequence_parallel)
-    if problem and model.heads % tp + model.kv_heads % tp:
-        fitting = ", ".join(str(t) for t in range(1, 9) if mesh_problem(model, 2 * t, t) is None)
+    if problem and not splits_heads(model, tp):
+        fitting = ", ".join(str(t) for t in range(1, 9) if splits_heads(model, t))
         parser.error(f"--tp {tp}: {problem}: use one of {fitting} (within one 8-GPU server)")
     if problem and pp > model.layers:
         parser.error(f"--pp {pp}: {problem}: use --pp {model.layers} or fewer")
