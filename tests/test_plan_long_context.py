@@ -1,10 +1,16 @@
 """The planner at long sequences: a Llama layer's activations counted by hand (flash or
 materialized attention, sequence and context parallelism, recomputation), the published
-parameter counts, ring attention's traffic, and the answer for Llama 3.1 405B at 128k tokens."""
+parameter counts, ring attention's traffic, the answer for Llama 3.1 405B at 128k tokens, and
+the docs' plan outputs and table of fitting meshes as the code prints them."""
+
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
 from fsdp_lesson.plan import (
+    ATTENTION,
     GPU_CAPACITY,
     LLAMA_8B,
     LLAMA_70B,
@@ -21,6 +27,7 @@ from fsdp_lesson.plan import (
 )
 from fsdp_lesson.plan_cli import main
 
+ROOT = Path(__file__).resolve().parent.parent
 K128 = 131_072  # 128k tokens
 LONG = dict(seq_len=K128, micro_batches=16, sequence_parallel=True, recompute=True)
 
@@ -130,7 +137,7 @@ def test_405b_at_128k_fits_meta_s_mesh_and_nothing_on_64_gpus():
     assert sum(no_cp.values()) > GPU_CAPACITY  # 16 micro-batches × 8 layers × 512 MiB inputs
     assert 16 * LLAMA_405B.params / 64 > GPU_CAPACITY
     assert fitting_meshes(LLAMA_405B, 64, "zero3", max_cp=64, **levers) == []
-    # with attention's probabilities kept, even cp 16 leaves 34 GiB of them a layer
+    # with attention's probabilities kept, even cp 16 leaves 32 GiB of them a layer
     kept = mesh_gpu_bytes(LLAMA_405B, "zero1", 8, 8, 16, 16, **dict(LONG, recompute="none"))
     assert kept["activations"] > 16 * 8 * 2 * 128 * K128 * K128 // 128
 
@@ -152,3 +159,86 @@ def test_plan_command_answers_for_405b_at_128k(capsys):
     assert all(m[3] <= n[3] for m in listed for n in fitting if n[1:3] == m[1:3])  # least cp
     assert main([*flags, "--gpus", "64", "--strategy", "zero3", "--max-cp", "64"]) == 0
     assert "none: the least" in capsys.readouterr().out
+
+
+def test_70b_mesh_at_32k_by_hand():
+    """Llama 3.1 70B at 32k tokens on dp 2 × tp 8 × pp 1 × cp 4 (64 GPUs), zero3, bf16, Adam,
+    FlashAttention, sequence parallelism, full recomputation, one micro-batch: every byte."""
+    s, h, psi = 32_768, 8192, 70_553_706_496
+    got = mesh_gpu_bytes(LLAMA_70B, "zero3", 2, 8, 1, 4, seq_len=s, sequence_parallel=True,
+                         recompute="full", attention="flash")  # fmt: skip
+    share = psi / 8 / (2 * 4)  # the parameters over tp, sharded over dp·cp
+    assert (got["params"], got["grads"], got["optimizer"]) == (2 * share, 2 * share, 12 * share)
+    assert got["gathered"] == 2 * 855_654_400 / 8 * 2  # two layers over tp, 16 bits
+    tokens = s // (8 * 4)  # 1,024 tokens a GPU: s over cp, and over tp with sequence parallel
+    # a layer per token: norms 4h, Q and O 2h, K and V 2·1024, MLP 3·28,672, in 2 bytes; the
+    # log-sum-exp 4 bytes × 64 heads
+    layer = tokens * (2 * (4 * h + 2 * h + 2 * 1024 + 3 * 28_672) + 4 * 64)
+    inputs = 80 * tokens * h * 2  # each layer's input, kept
+    logits = 4 * s * 128_256 // (8 * 4)  # fp32, vocab over tp, tokens over cp
+    assert got["activations"] == inputs + layer + logits
+
+
+def doc_commands(text: str) -> list[tuple[list[str], str]]:
+    """Each `$ python -m fsdp_lesson plan ...` block of a doc: its flags and the lines shown."""
+    found = []
+    for block in re.findall(r"```\n\$ python -m fsdp_lesson plan (.*?)```", text, re.S):
+        lines = block.splitlines(keepends=True)
+        command = 1 + next(i for i, line in enumerate(lines) if not line.endswith("\\\n"))
+        flags = " ".join(line.rstrip("\\\n") for line in lines[:command])
+        found.append((shlex.split(flags), "".join(lines[command:])))
+    return found
+
+
+@pytest.mark.parametrize("doc", ["zero_formulas.md", "long_context.md"])
+def test_the_docs_show_what_the_plan_command_prints(doc, capsys):
+    commands = doc_commands((ROOT / "docs" / doc).read_text())
+    assert commands, f"docs/{doc} shows no plan command"
+    for flags, shown in commands:
+        assert main(flags) == 0
+        assert capsys.readouterr().out == shown, f"docs/{doc}: python -m fsdp_lesson plan {flags}"
+
+
+FIT_GPUS = {"8B": 8, "70B": 64, "405B": 1024}  # one server, eight, 128
+FIT_LEVERS = dict(micro_batches=16, sequence_parallel=True, recompute="full")
+
+
+def fits_row(name: str, seq_len: int) -> str:
+    """A row of long_context.md's table: for each attention, how many meshes without cp fit
+    (of all that split evenly), then how many with cp up to the GPUs."""
+    model, gpus = MODELS[name], FIT_GPUS[name]
+    cells = []
+    for attention in ATTENTION:
+        for max_cp in (1, gpus):
+            every = [
+                mesh
+                for mesh in meshes(model, gpus, max_cp=max_cp)
+                if mesh_problem(model, seq_len, *mesh[1:], sequence_parallel=True) is None
+            ]
+            found = fitting_meshes(
+                model, gpus, max_cp=max_cp, seq_len=seq_len, attention=attention, **FIT_LEVERS
+            )
+            cells.append(f"{len(found)} of {len(every)}")
+    return f"| {name} | {gpus} | {seq_len // 1024}k | " + " | ".join(cells) + " |"
+
+
+@pytest.mark.parametrize("name", FIT_GPUS)
+def test_long_context_table_is_what_the_planner_finds(name):
+    doc = (ROOT / "docs" / "long_context.md").read_text()
+    for seq_len in (8192, 32_768, K128):
+        row = fits_row(name, seq_len)
+        assert row in doc, f"docs/long_context.md should have the row {row}"
+    # what the table teaches, asserted: at 128k the s×s probabilities fit nowhere without cp
+    # (70B on 64 GPUs: nowhere at all), and FlashAttention fits without it
+    probabilities = dict(seq_len=K128, attention="materialized", **FIT_LEVERS)
+    kept = fitting_meshes(MODELS[name], FIT_GPUS[name], max_cp=FIT_GPUS[name], **probabilities)
+    assert all(mesh[3] > 1 for mesh in kept)
+    flash = dict(probabilities, attention="flash")
+    assert any(mesh[3] == 1 for mesh in fitting_meshes(MODELS[name], FIT_GPUS[name], **flash))
+
+
+def test_cp_lets_405b_at_128k_fit_with_fewer_stages():
+    levers = dict(seq_len=K128, attention="flash", **FIT_LEVERS)
+    without = {pp for _, _, pp, _ in fitting_meshes(LLAMA_405B, 1024, **levers)}
+    with_cp = {pp for _, _, pp, _ in fitting_meshes(LLAMA_405B, 1024, max_cp=1024, **levers)}
+    assert min(without) == 32 and min(with_cp) == 4  # bubbles of 66% and 16% at m = 16
