@@ -103,8 +103,9 @@ class Transformer:
 
 
 # The shapes of the published config.json files (num_hidden_layers, hidden_size,
-# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size) and of the Llama 3
-# paper's Table 3; Ψ lands on the model cards' counts to the parameter: 6,738,415,616 for
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size; the Llama 3 paper's
+# Table 3 has the same layers, widths and heads, and 128,000 words without the checkpoints' 256
+# reserved tokens); Ψ lands on the checkpoints' counts to the parameter: 6,738,415,616 for
 # Llama 2 7B, 8,030,261,248, 70,553,706,496 and 405,853,388,800 for Llama 3.1 8B, 70B, 405B.
 LLAMA_7B = Transformer("7B", 32, 4096, heads=32, kv_heads=32, ffn=11_008, vocab=32_000)  # Llama 2
 LLAMA_8B = Transformer("8B", 32, 4096, heads=32, kv_heads=8, ffn=14_336, vocab=128_256)
