@@ -383,8 +383,9 @@ def mesh_traffic_bytes(
         backward; a middle stage sends both, an end stage one (Megatron's scatter/gather
         would send 1/t of it per GPU, Narayanan et al. 2021, section 4.1: not counted here).
     cp: per layer and micro-batch, ring attention passes each GPU's K and V block
-        (2·s/cp·b·kv·d/t elements) cp − 1 hops forward, and in backward again with its dK and
-        dV: 3 passes (4 with full recomputation, which runs the forward ring again).
+        (2·s/cp·b·kv·d/t elements) cp − 1 hops forward, and in backward again, followed by its
+        dK and dV, which take one hop more to come home: 3(cp − 1) + 1 blocks (full
+        recomputation runs the forward ring again: cp − 1 more), as ring_attention.py sends.
     """
     item, full = precision_of(precision, "adam").params, recompute_mode(recompute) == "full"
     message = item * seq_len * micro_batch * model.hidden / cp  # one s/cp·b·h activation
@@ -395,7 +396,7 @@ def mesh_traffic_bytes(
         "dp": traffic_bytes(strategy, stage_params(model, tp, pp), dp * cp, item),
         "tp": layers * per_layer,
         "pp": micro_batches * min(2, pp - 1) * message,
-        "cp": layers * (4 if full else 3) * (cp - 1) * kv_block,
+        "cp": layers * ((4 if full else 3) * (cp - 1) + (cp > 1)) * kv_block,
     }
 
 

@@ -106,13 +106,16 @@ def test_zero_shards_over_dp_times_cp():
 
 def test_ring_attention_traffic_by_hand():
     # 405B, tp 8, pp 16 (8 layers), cp 16, 16 micro-batches, full recomputation: each GPU's K
-    # and V block, 2 · 8,192 tokens · 1,024 · 2 bytes / 8 = 4 MiB, goes 15 hops 4 times
+    # and V block, 2 · 8,192 tokens · 1,024 · 2 bytes / 8 = 4 MiB, goes 15 hops 4 times, and
+    # its dK/dV one hop more, home
     sent = mesh_traffic_bytes(LLAMA_405B, "zero1", 8, 8, 16, 16, micro_batches=16,
                               seq_len=K128, recompute=True)  # fmt: skip
-    assert sent["cp"] == 16 * 8 * 4 * 15 * 4 * 2**20 == 30 * 2**30
+    assert sent["cp"] == 16 * 8 * (4 * 15 + 1) * 4 * 2**20 == 30.5 * 2**30
     assert sent["tp"] == 16 * 8 * 6 * 2 * 7 / 8 * 2 * K128 // 16 * 16384  # s/cp per message
     plain = mesh_traffic_bytes(LLAMA_405B, "zero1", 8, 8, 16, 16, seq_len=K128)
-    assert plain["cp"] == 8 * 3 * 15 * 4 * 2**20  # forward, and backward's K/V with dK/dV
+    assert plain["cp"] == 8 * (3 * 15 + 1) * 4 * 2**20  # forward, and backward's K/V, dK/dV
+    one = mesh_traffic_bytes(LLAMA_405B, "zero1", 8, 8, 16, 1, seq_len=K128)
+    assert one["cp"] == 0  # no ring
 
 
 def test_meshes_with_cp_and_what_cannot_split():
@@ -150,7 +153,7 @@ def test_plan_command_answers_for_405b_at_128k(capsys):
     memory = mesh_gpu_bytes(LLAMA_405B, "zero1", 8, 8, 16, 16, **LONG, attention="flash")
     assert "405B on dp 8 × tp 8 × pp 16 × cp 16 = 16384 GPUs, zero1" in out
     assert f"{sum(memory.values()) / 2**30:9.1f} GiB: fits an 80 GiB GPU" in out
-    assert "  cp       30.0 GiB" in out and "full recompute, flash attention" in out
+    assert "  cp       30.5 GiB" in out and "full recompute, flash attention" in out
     assert main([*flags, "--gpus", "16384"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
     listed = [tuple(map(int, row[:4])) for row in rows]
