@@ -6,9 +6,15 @@ rings side by side, each on its own sequence); each group runs ring attention fo
 backward on both layouts with its step traced. Rank 0 writes, per case and per world rank,
 the local results, the positions, the sends' counts after forward and after backward and the
 trace, for tests/test_ring_attention.py to compare with single-rank attention.
+
+`mpiexec -n 4 python tests/ring_attention_worker.py stop RANK`: one ring over the world with a
+3 s timeout in which rank RANK stops itself (SIGSTOP) before it sends: the others' waits on
+their neighbours must end the job, naming who they wait for.
 """
 
+import os
 import pickle
+import signal
 import sys
 
 import numpy as np
@@ -56,6 +62,17 @@ def run_case(world: Comm, cp_size: int, name: str) -> dict:
     )
 
 
+def stop(rank: int) -> None:
+    """A ring whose rank `rank` stops before its first send; the watchdog ends the job."""
+    world = Comm.world(timeout=3.0)
+    cp = world.split(0, world.rank, "cp")
+    positions = layout("zigzag", SHAPE[2], cp.size)
+    q, k, v, _ = (x[:, :, positions[cp.rank]] for x in sequence(cp.size, "zigzag", 0))
+    if cp.rank == rank:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    ring_attention(q, k, v, positions, cp)
+
+
 def main(out_path: str) -> None:
     world = Comm.world()
     assert world.size == WORLD, f"run on {WORLD} ranks"
@@ -69,4 +86,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    stop(int(sys.argv[2])) if sys.argv[1] == "stop" else main(sys.argv[1])

@@ -5,7 +5,7 @@ and 1) against single-rank attention over the whole sequence, its sends counted 
 
 import numpy as np
 import pytest
-from mpi_helpers import worker_results
+from mpi_helpers import ROOT, mpiexec, worker_results
 from ring_attention_worker import SHAPE, sequence  # noqa: E402
 
 from fsdp_lesson.attention import attention, attention_backward, merge
@@ -218,3 +218,16 @@ def test_a_traced_step_shows_each_kv_send_in_flight_over_a_blocks_compute(ring_r
         assert len(computes) == 2 * 4 and len(sends) == 2 * 3  # forward and backward
         for start, end in sends:
             assert any(start <= s and e <= end for s, e in computes), "a K/V send held no compute"
+
+
+@pytest.mark.mpi
+def test_a_ring_whose_rank_stops_times_out_naming_who_is_waited_for():
+    """Rank 2 stops before it sends: rank 3 waits to receive from it, and the ranks behind rank
+    3 wait for rank 3 in turn; whichever times out first says so in one line, and every rank
+    ends with the watchdog's exit code 4."""
+    result = mpiexec(4, str(ROOT / "tests" / "ring_attention_worker.py"), "stop", "2", timeout=60)
+    assert result.returncode == 4, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "waited 3 s" in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    named = "rank 2 (stopped) has not sent it" in lines[0] or "rank 2 is stopped" in lines[0]
+    assert " (cp) from rank " in lines[0] and named, lines[0]
