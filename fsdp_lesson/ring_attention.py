@@ -4,25 +4,29 @@ Each of the C ranks of `cp` holds the queries, keys and values of its own tokens
 Tl = T / C, at the global positions its layout gives it:
 
     contiguous_positions(T, C, r)   [r*Tl, (r+1)*Tl): the later ranks' queries see more keys
-    zigzag_positions(T, C, r)       chunks r and 2C-1-r of 2C: every rank sees as many
+    zigzag_positions(T, C, r)       chunks r and 2C-1-r of 2C: every rank's see as many
 
 The keys travel, the queries stay. At step s rank r holds the K/V block of rank (r - s) % C:
 it attends its queries to that block while the block travels on to rank r + 1 and the next one
 arrives from rank r - 1, and merges the partial results by their log-sum-exp (attention.merge).
 After C steps every query has seen every key, and out and lse are single-rank attention's.
+
 Of each block only the queries that see one of its keys and the keys one of its queries sees
-are computed (with ascending positions, a suffix of the queries and a prefix of the keys); a
-block after all the queries is skipped. That is the whole of zig-zag's balance: from an earlier
-rank a block's second chunk is masked, from a later rank the queries' first chunk sees nothing,
-so every rank computes its own block and C - 1 half blocks (`ring_work`, `causal_work`).
+are computed (with ascending positions, a suffix of the queries and a prefix of the keys), and
+a block after all the queries is skipped. Contiguous rank r so computes its own block and the r
+earlier ones whole and skips C-1-r: rank C-1 computes C times the scores rank 0 does. Zig-zag skips
+no block but halves every other one: from an earlier rank only its first chunk is seen, from a
+later rank only our second chunk sees it, so every rank computes its own block and C - 1 half
+blocks (`ring_work`; `causal_work` counts the unmasked scores themselves).
 
 Backward is the mirror (FlashAttention's: a block's gradients need the final out and lse and
 that block alone): K/V travel the ring again, and with them their dK/dV, to which every rank
 adds its queries' share before passing them on. After C steps one more hop takes each block's
 dK/dV home to the rank that owns those keys. dQ never leaves its rank.
 
-What each rank sends (all counted under the Comm's "send"; a block is 2 * B*H*Tl*D numbers, its
-K and V or its dK and dV, in one message):
+What each rank sends (a block is 2 * B*H*Tl*D numbers, its K and V or its dK and dV, in one
+message; counted under the Comm's "send", "send (cp)" in the report of the Comm cp was split
+from; "ring kv" and "ring dkv" name them in a trace):
 
     forward    C - 1 messages: K/V "ring kv", sent as the step's compute starts
     backward   C - 1 K/V messages "ring kv" as in forward, and C dK/dV messages "ring dkv", each
