@@ -42,9 +42,9 @@ import numpy as np
 
 from .attention import attention, attention_backward, merge
 from .comm import Comm
+from .config import CP_LAYOUTS as LAYOUTS
 from .requests import Receiving, Sending
 
-LAYOUTS = ("contiguous", "zigzag")
 Passing = tuple[Sending, Receiving] | tuple[()]  # a block on its way round, or nothing (C = 1)
 
 
