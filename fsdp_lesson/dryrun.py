@@ -234,6 +234,8 @@ def dry_run(
     micro_batches: int = 1,
     schedule: str = "gpipe",
     sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_layout: str = "zigzag",
     **options,
 ) -> MemoryLedger:
     """Rank 0's ledger after `strategy` (with its own and the memory options) initialised the
@@ -242,10 +244,14 @@ def dry_run(
     ranks (tensor.py) and `strategy` runs over the N data-parallel ones: every rank's pieces
     have the same shapes (padded), so rank 0's ledger is every rank's. With pp = P, the model
     is pipeline rank `stage`'s Stage and the step pipeline_step's: each of the `accum`
-    micro-batches split in `micro_batches`, run in `schedule`'s order (pipeline.py)."""
-    replicate = options.get("replicate", 1)
+    micro-batches split in `micro_batches`, run in `schedule`'s order (pipeline.py). With
+    cp = C, each of the N holds S/C positions of its rows, and `strategy` runs over N * C."""
+    replicate, n = options.get("replicate", 1), n * cp  # the strategy's ranks: dp and cp's
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
-    model = DryModel(build_model(model_config, DryComm(tp), False, sequence_parallel), log)
+    model = DryModel(
+        build_model(model_config, DryComm(tp), False, sequence_parallel, DryComm(cp), cp_layout),
+        log,
+    )
     model = Stage(model, pp, stage, DryComm(pp, rank=stage))
     M = micro_batches_to_run(accum * micro_batches, pp, stage, schedule)
     ledger = MemoryLedger(dry=True)

@@ -27,6 +27,14 @@ replicates along the sequence: each tp rank keeps the residual stream, the Layer
 dropout-free adds of S/T positions only. f becomes an allgather along the sequence (every rank
 needs all positions for attention and the MLP) and g a reduce-scatter (each rank keeps the sum
 at its own positions): the same bytes as g's allreduce, and the replicated activations / T.
+
+Context parallelism (`cp`, ring_attention.py) splits every activation along the sequence, the
+attention's too: each of C ranks holds S/C positions of every row (zig-zag or contiguous), and
+only attention looks past them, passing K/V around the cp ring. Every other layer is per
+position, so it runs on the rank's positions as it would on all of them. The loss is the mean
+over the rank's positions; the strategy averages over dp and cp together (mesh.state_mesh), so
+the gradient is the mean over every position of every row. Sequence parallelism then cuts a cp
+rank's S/C positions over tp.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from .comm import Comm
 from .config import ModelConfig
 from .model import Embedding, Layer, Model, Params, softmax
 from .placement import Placement, Replicate, Shard, piece_range
+from .ring_attention import layout, ring_attention, ring_attention_backward
 from .rng import Rng
 
 EPS = np.float32(1e-5)  # LayerNorm's
@@ -159,6 +168,36 @@ class SequenceSplit:
                 self.tp.allreduce_sum(grads[key].reshape(-1), f"{tag} {key}")
 
 
+class ContextSplit:
+    """Which positions of every row this rank holds: all of them (cp None or one rank), or
+    the cp layout's S/C (ring_attention.layout); and the attention that sees the others."""
+
+    def __init__(self, cp: Comm | None, layout_name: str, seq_len: int) -> None:
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.layout = layout(layout_name, seq_len, cp.size) if self.cp else [np.arange(seq_len)]
+        self.positions = self.layout[self.cp.rank if self.cp else 0]  # (S/C,), ascending
+        self.local = len(self.positions)
+        self.last = next(r for r, p in enumerate(self.layout) if p[-1] == seq_len - 1)
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple:
+        """Causal attention of this rank's queries to every key: (out, lse)."""
+        if self.cp is None:
+            return attention(q, k, v, self.positions, self.positions)
+        return ring_attention(q, k, v, self.layout, self.cp)
+
+    def attention_backward(self, q, k, v, out, lse, dout) -> tuple:
+        """The mirror of attention: (dq, dk, dv) of this rank's positions."""
+        if self.cp is None:
+            return attention_backward(q, k, v, out, lse, dout, self.positions, self.positions)
+        return ring_attention_backward(q, k, v, out, lse, dout, self.layout, self.cp)
+
+    def at_last_position(self, x: np.ndarray) -> np.ndarray:
+        """x (B, S/C, n)'s row at the sequence's last position, on every cp rank: the rank that
+        holds that position broadcasts it."""
+        last = np.ascontiguousarray(x[:, -1])  # the last position here; the sequence's on `last`
+        return last if self.cp is None else self.cp.bcast(last, root=self.last)
+
+
 def piece_shapes(whole: dict, placements: dict[str, Placement], tp: Comm | None) -> dict:
     """This rank's shapes: each Shard(dim) parameter's piece along dim, the rest whole."""
     if tp is None or tp.size == 1:
@@ -176,26 +215,26 @@ def piece_shapes(whole: dict, placements: dict[str, Placement], tp: Comm | None)
 
 class TokenPositionEmbedding(Embedding):
     """W[token] + P[position] at this rank's positions: (B, S) tokens -> (B, S_here*E).
-    Sequence parallelism: S/T positions per tp rank, and W's and P's gradients summed over tp."""
+    Sequence parallelism: S/T of the cp rank's positions per tp rank, and W's and P's
+    gradients summed over tp."""
 
     initial = staticmethod(initial_transformer)
 
-    def __init__(self, name: str, c: ModelConfig, seq: SequenceSplit) -> None:
+    def __init__(self, name: str, c: ModelConfig, seq: SequenceSplit, ctx: ContextSplit) -> None:
         super().__init__(name, c.vocab_size, c.emb)
         self.shapes = self.whole_shapes = {"W": (c.vocab_size, c.emb), "P": (c.seq_len, c.emb)}
         self.seq = seq
-        self.columns = slice(seq.start, seq.start + seq.local)  # positions embedded here
+        self.columns = ctx.positions[seq.start : seq.start + seq.local]  # positions embedded here
 
     def out_width(self, width: int, seq_len: int) -> int:
         return self.seq.local * self.emb_size
 
     def forward(self, p: Params, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mine = tokens[:, self.columns]  # (B, S_here)
-        out = p["W"][mine] + p["P"][self.columns]  # (B, S_here, E)
-        return out.reshape(len(tokens), -1), mine
+        out = p["W"][tokens[:, self.columns]] + p["P"][self.columns]  # (B, S_here, E)
+        return out.reshape(len(tokens), -1), tokens  # it keeps its input, as every Embedding
 
     def backward(self, p: Params, tokens: np.ndarray, dout: np.ndarray, g: Params) -> None:
-        super().backward(p, tokens, dout, g)  # g["W"]: the scatter-add by token
+        super().backward(p, tokens[:, self.columns], dout, g)  # g["W"]: scatter-add by token
         g["P"][...] = 0
         g["P"][self.columns] = dout.reshape(len(tokens), -1, self.emb_size).sum(axis=0)
         self.seq.sum_replicated_grads(g, ("W", "P"), self.name)
@@ -204,33 +243,39 @@ class TokenPositionEmbedding(Embedding):
 
 class Block(Layer):
     """One transformer block, one layer: x + attn(ln1(x)), then x + mlp(ln2(x)), with
-    multi-head causal self-attention and an MLP of width F (--hidden) with GELU."""
+    multi-head causal self-attention and an MLP of width F (--hidden) with GELU.
+
+    The keys have no bias: q . (k + b) = q . k + q . b adds the same number to all of a query's
+    scores, which softmax ignores, so b's gradient is zero but for rounding, and Adam, which
+    divides a gradient by its own size, would turn that rounding into full-size steps (a run
+    on 4 ranks then differs from one rank by 5e-4 after 20 steps: measured)."""
 
     initial = staticmethod(initial_transformer)
 
     cache_is_input = False  # it keeps q, k, v, the attention, the MLP's input ...
     TP_PLACEMENTS = {  # Megatron: q/k/v and fc by columns (heads), o and proj by rows
         **{w: Shard(1) for w in ("wq", "wk", "wv", "w_fc")},
-        **{b: Shard(0) for b in ("bq", "bk", "bv", "b_fc")},
+        **{b: Shard(0) for b in ("bq", "bv", "b_fc")},
         **{w: Shard(0) for w in ("wo", "w_proj")},
     }
     REPLICATED = ("ln1_g", "ln1_b", "bo", "ln2_g", "ln2_b", "b_proj")  # whole on every tp rank
 
-    def __init__(self, name: str, c: ModelConfig, tp: Comm | None, seq: SequenceSplit):
+    def __init__(
+        self, name: str, c: ModelConfig, tp: Comm | None, seq: SequenceSplit, ctx: ContextSplit
+    ) -> None:
         E, F = c.emb, c.hidden
         T = 1 if tp is None else tp.size
-        self.name, self.tp, self.seq, self.seq_len = name, tp, seq, c.seq_len
+        self.name, self.tp, self.seq, self.ctx, self.seq_len = name, tp, seq, ctx, ctx.local
         self.head_dim, self.heads = E // c.heads, c.heads // T  # this rank's heads
         self.whole_shapes = {
             "ln1_g": (E,), "ln1_b": (E,),
-            "wq": (E, E), "bq": (E,), "wk": (E, E), "bk": (E,), "wv": (E, E), "bv": (E,),
+            "wq": (E, E), "bq": (E,), "wk": (E, E), "wv": (E, E), "bv": (E,),
             "wo": (E, E), "bo": (E,),
             "ln2_g": (E,), "ln2_b": (E,),
             "w_fc": (E, F), "b_fc": (F,), "w_proj": (F, E), "b_proj": (E,),
         }  # fmt: skip
         self.placements = self.TP_PLACEMENTS if T > 1 else {}
         self.shapes = piece_shapes(self.whole_shapes, self.placements, tp)
-        self.positions = np.arange(c.seq_len)  # every query's and key's place
 
     def heads_of(self, x: np.ndarray) -> np.ndarray:
         """(B, S, heads*D) -> (B, heads, S, D)."""
@@ -243,14 +288,14 @@ class Block(Layer):
         return x.transpose(0, 2, 1, 3).reshape(B, S, self.heads * self.head_dim)
 
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, Saved]:
-        seq, pos = self.seq, self.positions
+        seq = self.seq
         X = x.reshape(len(x), seq.local, -1)  # (B, S_here, E): the residual stream
         h1, ln1 = layer_norm(X, p["ln1_g"], p["ln1_b"])
-        h = seq.gather(h1, f"{self.name} attn in")  # (B, S, E) on every tp rank
+        h = seq.gather(h1, f"{self.name} attn in")  # (B, S, E) on every tp rank (S: this cp rank's)
         q = self.heads_of(h @ p["wq"] + p["bq"])  # (B, S, E) @ (E, E/T) -> (B, H/T, S, D)
-        k = self.heads_of(h @ p["wk"] + p["bk"])
+        k = self.heads_of(h @ p["wk"])  # no bias: see the class's docstring
         v = self.heads_of(h @ p["wv"] + p["bv"])
-        att, lse = attention(q, k, v, pos, pos)  # (B, H/T, S, D), (B, H/T, S)
+        att, lse = self.ctx.attention(q, k, v)  # (B, H/T, S, D), (B, H/T, S): cp's ring
         a = self.merged(att)  # (B, S, E/T)
         o = seq.sum_partial(a @ p["wo"], f"{self.name} attn out")  # (B, S_here, E)
         X2 = X + o + p["bo"]
@@ -264,7 +309,7 @@ class Block(Layer):
         return out.reshape(len(x), -1), saved
 
     def backward(self, p: Params, s: Saved, dout: np.ndarray, g: Params) -> np.ndarray:
-        seq, pos = self.seq, self.positions
+        seq = self.seq
         dX2 = dout.reshape(len(dout), seq.local, -1)  # (B, S_here, E)
         # out = X2 + sum(gelu(u) @ w_proj) + b_proj
         np.sum(rows(dX2), axis=0, out=g["b_proj"])
@@ -283,12 +328,13 @@ class Block(Layer):
         do = seq.gather(dX, f"{self.name} attn out")  # (B, S, E)
         np.matmul(rows(self.merged(s["att"])).T, rows(do), out=g["wo"])
         da = self.heads_of(do @ p["wo"].T)  # (B, H/T, S, D)
-        dq, dk, dv = attention_backward(s["q"], s["k"], s["v"], s["att"], s["lse"], da, pos, pos)
+        dq, dk, dv = self.ctx.attention_backward(s["q"], s["k"], s["v"], s["att"], s["lse"], da)
         dh = 0
         for name, d in (("q", dq), ("k", dk), ("v", dv)):
             d = self.merged(d)  # (B, S, E/T)
             np.matmul(rows(s["h"]).T, rows(d), out=g[f"w{name}"])
-            np.sum(rows(d), axis=0, out=g[f"b{name}"])
+            if name != "k":
+                np.sum(rows(d), axis=0, out=g[f"b{name}"])
             dh = dh + d @ p[f"w{name}"].T  # (B, S, E/T) @ (E/T, E): this rank's heads' part
         dh1 = seq.sum_partial(dh, f"{self.name} attn in")  # (B, S_here, E)
         dX += layer_norm_backward(
@@ -298,7 +344,8 @@ class Block(Layer):
         return dX.reshape(len(dout), -1)
 
     def cache_bytes(self, rows: int) -> int:
-        """What forward keeps for `rows` rows, in bytes (float32): the dry run's count."""
+        """What forward keeps for `rows` rows, in bytes (float32): the dry run's count (S: the
+        positions of this cp rank)."""
         S, E = self.seq_len, self.whole_shapes["wq"][0]
         local, width = self.seq.local, self.heads * self.head_dim
         F = self.shapes["w_fc"][1]
@@ -308,17 +355,17 @@ class Block(Layer):
 
 
 class Head(Layer):
-    """The final LayerNorm and the LM head, at every position: (B, S_here*E) -> (B, S*V).
-    Under sequence parallelism it first gathers the sequence, so every tp rank holds all the
-    logits (the head is replicated, as the MLP's output layer is)."""
+    """The final LayerNorm and the LM head, at every position of this cp rank:
+    (B, S_here*E) -> (B, S*V). Under sequence parallelism it first gathers the sequence, so
+    every tp rank holds all the logits (the head is replicated, as the MLP's output layer is)."""
 
     initial = staticmethod(initial_transformer)
 
     cache_is_input = False
 
-    def __init__(self, name: str, c: ModelConfig, seq: SequenceSplit) -> None:
+    def __init__(self, name: str, c: ModelConfig, seq: SequenceSplit, ctx: ContextSplit) -> None:
         E, V = c.emb, c.vocab_size
-        self.name, self.seq, self.seq_len, self.vocab = name, seq, c.seq_len, V
+        self.name, self.seq, self.seq_len, self.vocab = name, seq, ctx.local, V
         self.shapes = self.whole_shapes = {"lnf_g": (E,), "lnf_b": (E,), "W": (E, V), "b": (V,)}
 
     def out_width(self, width: int, seq_len: int) -> int:
@@ -343,10 +390,11 @@ class Head(Layer):
 
 
 class SequenceCrossEntropy:
-    """Mean cross-entropy over every position of every row: logits (B, S*V), targets (B, S)."""
+    """Mean cross-entropy over every position (of this cp rank) of every row: logits (B, S*V),
+    targets (B, S)."""
 
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab = vocab_size
+    def __init__(self, vocab_size: int, ctx: ContextSplit) -> None:
+        self.vocab, self.ctx = vocab_size, ctx
 
     def forward(self, logits: np.ndarray, targets: np.ndarray) -> tuple[float, tuple]:
         probs = softmax(logits.reshape(-1, self.vocab))  # (B*S, V)
@@ -364,25 +412,34 @@ class SequenceCrossEntropy:
 
     def next_token_logits(self, logits: np.ndarray) -> np.ndarray:
         """The last position's logits (rows, V): the token after the whole context."""
-        return logits.reshape(len(logits), -1, self.vocab)[:, -1]
+        return self.ctx.at_last_position(logits.reshape(len(logits), -1, self.vocab))
 
 
 class GPT(Model):
     """emb -> L transformer blocks -> head; tp: the tensor-parallel ranks' Comm (None: one);
-    sequence_parallel: split along the sequence what tp replicates."""
+    sequence_parallel: split along the sequence what tp replicates; cp: the context-parallel
+    ranks' Comm (None: one), each holding the positions `cp_layout` gives it."""
 
     def __init__(
-        self, config: ModelConfig, tp: Comm | None = None, sequence_parallel: bool = False
+        self,
+        config: ModelConfig,
+        tp: Comm | None = None,
+        sequence_parallel: bool = False,
+        cp: Comm | None = None,
+        cp_layout: str = "zigzag",
     ) -> None:
         config.validate()
         c = self.config = config
-        seq = SequenceSplit(tp, sequence_parallel, c.seq_len)
-        self.layers: list[Layer] = [TokenPositionEmbedding("emb", c, seq)]
-        self.layers += [Block(f"h{i}", c, tp, seq) for i in range(c.layers)]
-        self.layers.append(Head("head", c, seq))
+        self.context = ctx = ContextSplit(cp, cp_layout, c.seq_len)
+        seq = SequenceSplit(tp, sequence_parallel, ctx.local)
+        self.layers: list[Layer] = [TokenPositionEmbedding("emb", c, seq, ctx)]
+        self.layers += [Block(f"h{i}", c, tp, seq, ctx) for i in range(c.layers)]
+        self.layers.append(Head("head", c, seq, ctx))
         self.blocks = [[layer] for layer in self.layers]  # each layer is its own block
-        self.loss = SequenceCrossEntropy(c.vocab_size)
+        self.loss = SequenceCrossEntropy(c.vocab_size, ctx)
 
     def targets(self, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
-        """Every position's next token: the context shifted by one, then the row's next."""
-        return np.concatenate([X[:, 1:], Y.reshape(-1, 1)], axis=1).astype(np.int64)
+        """Every position's next token (the context shifted by one, then the row's next), at
+        this rank's positions: (B, S/C)."""
+        following = np.concatenate([X[:, 1:], Y.reshape(-1, 1)], axis=1)  # (B, S)
+        return following[:, self.context.positions].astype(np.int64)

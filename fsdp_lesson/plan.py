@@ -486,12 +486,16 @@ def ledger_bytes(
     micro_batches: int = 1,
     schedule: str = "gpipe",
     sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_layout: str = "zigzag",
     **options,
 ) -> dict:
     """What MemoryLedger's peaks per category will be for this run, to the byte: the
     strategy's own code initialises the model and takes one step on placeholders (dryrun.py),
-    so the prediction comes from the lines that allocate. N is the ranks the strategy runs
-    over; with tp = T the model's pieces are those of T tensor-parallel ranks (tensor.py);
+    so the prediction comes from the lines that allocate. N is the ranks the batch is split
+    over (micro_batch rows each); with cp = C each holds S/C positions of its rows, and the
+    strategy runs over N * C ranks; with tp = T the model's pieces are those of T
+    tensor-parallel ranks (tensor.py);
     with pp = P, pipeline rank `stage`'s, stepping `micro_batches` in `schedule` (pipeline.py).
 
     The keyword arguments are the memory levers and the strategies' own options (zero3's
@@ -520,6 +524,8 @@ def ledger_bytes(
         micro_batches=micro_batches,
         schedule=schedule,
         sequence_parallel=sequence_parallel,
+        cp=cp,
+        cp_layout=cp_layout,
         **{k: v for k, v in options.items() if k in STRATEGY_CLASSES[strategy].options},
     )
     return dict(ledger.peak)
