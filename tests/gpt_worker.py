@@ -41,6 +41,11 @@ RUNS = {
         "cp4-dp-ring": dict(strategy="dp", cp=4, collectives="ring"),
         "tp2-cp2-zero3": dict(strategy="zero3", tp=2, cp=2),
         "tp2-cp2-sp-zero1": dict(strategy="zero1", tp=2, cp=2, sequence_parallel=True),
+        # no evaluation and no sampling: every K/V send is a training step's (test_gpt counts them)
+        "cp2-dp-counted": dict(strategy="dp", cp=2, eval_batches=0, samples=0),
+        "cp2-zero3-recompute-counted": dict(
+            strategy="zero3", cp=2, recompute=True, eval_batches=0, samples=0
+        ),
         "cp2-pp2-zero3-recompute": dict(
             strategy="zero3", cp=2, pp=2, micro_batches=2, recompute=True
         ),
