@@ -319,35 +319,40 @@ class TrainConfig:
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError before any work (and so before any collective)."""
-        _require_choices(self)
-        _require(self.steps >= 0, f"steps must be 0 or more, got {self.steps}")
-        _require_positive_finite("lr", self.lr)
-        _require(
-            0 <= self.seed < 2**32,
-            f"seed must be between 0 and 2**32 - 1 (an unsigned 32-bit number, as C's srand "
-            f"takes), got {self.seed}",
-        )
-        _require(self.batch >= 1, f"batch must be positive, got {self.batch}")
-        _require_positive_finite("memory budget", self.memory_budget_mb, " of MiB", optional=True)
-        _require(
-            self.eval_batches >= 0 and self.samples >= 0 and self.log_every >= 1,
-            "eval_batches and samples must be >= 0 and log_every >= 1",
-        )
+        check_values(self)
         check_zero3_options(self)
-        _require(self.accum >= 1, f"accum must be a positive integer, got {self.accum}")
-        _require(
-            min(self.tp, self.pp, self.micro_batches) >= 1,
-            "tp, pp and micro_batches must be positive integers",
-        )
-        _require_positive_finite("clip_grad_norm", self.clip_grad_norm, optional=True)
-        _require(
-            isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf,
-            f"timeout must be a positive finite number of seconds, got {self.timeout}",
-        )
         check_ranks(self, world_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_values(tc: TrainConfig) -> None:
+    """Each flag's value on its own: a choice it offers, a count or a rate in its range."""
+    _require_choices(tc)
+    _require(tc.steps >= 0, f"steps must be 0 or more, got {tc.steps}")
+    _require_positive_finite("lr", tc.lr)
+    _require(
+        0 <= tc.seed < 2**32,
+        f"seed must be between 0 and 2**32 - 1 (an unsigned 32-bit number, as C's srand "
+        f"takes), got {tc.seed}",
+    )
+    _require(tc.batch >= 1, f"batch must be positive, got {tc.batch}")
+    _require_positive_finite("memory budget", tc.memory_budget_mb, " of MiB", optional=True)
+    _require(
+        tc.eval_batches >= 0 and tc.samples >= 0 and tc.log_every >= 1,
+        "eval_batches and samples must be >= 0 and log_every >= 1",
+    )
+    _require(tc.accum >= 1, f"accum must be a positive integer, got {tc.accum}")
+    _require(
+        min(tc.tp, tc.pp, tc.cp, tc.micro_batches) >= 1,
+        "tp, pp, cp and micro_batches must be positive integers",
+    )
+    _require_positive_finite("clip_grad_norm", tc.clip_grad_norm, optional=True)
+    _require(
+        isinstance(tc.timeout, int | float) and 0 < tc.timeout < math.inf,
+        f"timeout must be a positive finite number of seconds, got {tc.timeout}",
+    )
 
 
 def check_zero3_options(tc: TrainConfig) -> None:
