@@ -110,6 +110,11 @@ def test_flags_that_split_a_sequence_are_refused_with_the_fix(model, train, says
         check_model_options(model, TrainConfig(**train))
 
 
+def test_single_is_refused_on_context_parallel_ranks():
+    with pytest.raises(ConfigError, match="times --cp 2, which the strategy runs over too"):
+        TrainConfig(cp=2).validate(2)
+
+
 def test_replicate_and_cp_are_refused_together():
     with pytest.raises(ConfigError, match="use one of --replicate and --cp"):
         TrainConfig(strategy="zero3", replicate=2, cp=2).validate(8)
