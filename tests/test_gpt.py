@@ -206,6 +206,22 @@ def test_context_parallel_ranks_pass_kv_and_only_they(world):
 
 
 @pytest.mark.mpi
+def test_zero3s_traffic_measured_on_the_ring_is_the_traffic_counted(world):
+    """zero3's gathers and reduce-scatters of the transformer's blocks: the bytes ring.py's
+    rings send (--collectives ring, measured) are the bytes the ring model counts for MPI's."""
+    n, results = world
+    if n != 4:
+        pytest.skip("the 4-rank launch runs zero3 on the ring")
+    ring, mpi = results["zero3-ring"]["per_rank"], results["zero3-adam"]["per_rank"]
+    for rank, (measured, counted) in enumerate(zip(ring, mpi, strict=True)):
+        for kind in ("allgather", "reduce_scatter"):
+            assert measured["traffic"][kind]["how"] == "measured", kind
+            assert counted["traffic"][kind]["how"] == "counted", kind
+            sent = measured["traffic"][kind]["sent_bytes"]
+            assert sent == counted["traffic"][kind]["sent_bytes"] > 0, f"rank {rank} {kind}"
+
+
+@pytest.mark.mpi
 def test_the_kv_sends_are_the_ones_counted(world):
     """Measured bytes on the cp ring, against the count by hand (docs/long_context.md): per
     layer and step, the K/V block (2 * B * H * S/C * D float32) goes C - 1 hops in forward, and
