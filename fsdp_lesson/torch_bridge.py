@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .collectives import counted_per_call
 from .config import DEFAULT_LR, ModelConfig, TrainConfig
 from .data import Dataset, GlobalBatchSampler
+from .flat import FlatParam
 from .model import MLP, Embedding, Linear, Params
 from .rng import make_rng
 
@@ -205,6 +206,28 @@ def local_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = Non
             if isinstance(value, torch.Tensor) and value.dim() > 0:  # not Adam's step count
                 out["optimizer"] += local(value).nbytes
     return out
+
+
+def shard_bytes(config: ModelConfig, world_size: int, rank: int) -> dict[str, int]:
+    """One parameter copy's bytes (float32) on `rank` of `world_size`, counted two ways.
+
+    `fsdp2`: FSDP2 shards every parameter on its dim 0 (torch's layout: a Linear's output
+    features) into chunks of ceil(d0 / N) rows, so the last ranks hold fewer rows, or none,
+    and the ranks' shards add up to the model exactly; `fsdp2_allocated`: the storage under
+    them, every rank's chunk padded to ceil(d0 / N) rows so that an allgather's pieces are
+    equal. `package`: zero3's shard of each layer's flat vector (flat.FlatParam), ceil(numel / N)
+    elements on every rank, the padding on the last: equal on all ranks, a few elements more
+    than the model in all.
+    """
+    out = {"fsdp2": 0, "fsdp2_allocated": 0, "package": 0}
+    for layer in MLP(config).layers:
+        out["package"] += FlatParam(layer.shapes, world_size).shard_size
+        for shape in layer.shapes.values():
+            rows, *rest = shape[::-1] if isinstance(layer, Linear) else shape  # torch's layout
+            chunk, row_size = -(-rows // world_size), int(np.prod(rest))
+            out["fsdp2"] += min(chunk, max(rows - rank * chunk, 0)) * row_size
+            out["fsdp2_allocated"] += chunk * row_size
+    return {what: 4 * numel for what, numel in out.items()}
 
 
 # The collectives, as a dispatch mode sees them: {op: (the package's kind, the argument holding
