@@ -14,17 +14,17 @@ The module starts from the package's own initial parameters (model.MLP.init_para
 Rng) and draws the package's own batches (data.GlobalBatchSampler, rank_slice's rule), so a run
 here and the package's run of the same strategy train the same model (docs/pytorch.md).
 
-Only this module imports torch: the optional extra, `pip install -e '.[torch]'`. The process
-group runs gloo over the ranks MPI already started (mpiexec, or the cluster's engines): rank and
-world size from MPI, rendezvous on a TCPStore on 127.0.0.1 whose port rank 0 tells the others
-over MPI, gloo's sockets on the loopback interface, a timeout on every wait.
+Only this module imports torch: the optional extra, `make torch` (`pip install -e '.[torch]'`).
+The process group runs gloo over the ranks MPI already started (mpiexec, or the cluster's
+engines): rank and world size from MPI, rendezvous on a TCPStore on 127.0.0.1 whose port rank 0
+tells the others over MPI, gloo's sockets on the loopback interface, a timeout on every wait.
 """
 
 from __future__ import annotations
 
 INSTALL_HINT = (
-    "the PyTorch bridge needs the torch extra: pip install -e '.[torch]' "
-    "(PyTorch 2.13.0, CPU build)"
+    "the PyTorch bridge needs the torch extra (PyTorch 2.13.0, CPU build): make torch "
+    "(docs/pytorch.md)"
 )
 
 try:
