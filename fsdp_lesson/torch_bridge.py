@@ -16,8 +16,8 @@ here and the package's run of the same strategy train the same model (docs/pytor
 
 Only this module imports torch: the optional extra, `make torch` (`pip install -e '.[torch]'`).
 The process group runs gloo over the ranks MPI already started (mpiexec, or the cluster's
-engines): rank and world size from MPI, rendezvous on a TCPStore on 127.0.0.1 whose port rank 0
-tells the others over MPI, gloo's sockets on the loopback interface, a timeout on every wait.
+engines, on one host): rank and world size from MPI, rendezvous on a file rank 0 names over MPI,
+gloo's sockets on the loopback interface, a timeout on every wait.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ except ModuleNotFoundError as missing:  # the course without the extra: one line
         raise
     raise ModuleNotFoundError(INSTALL_HINT, name="torch") from None
 
+import gc
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -53,7 +56,6 @@ from .flat import FlatParam
 from .model import MLP, Embedding, Linear, Params
 from .rng import make_rng
 
-LOOPBACK = "127.0.0.1"
 LOOPBACK_DEVICE = "lo"  # gloo's sockets: the loopback interface, as launch.py's MPI settings
 STRATEGIES = ("dp", "zero3")  # what `train` runs: DDP and FSDP2 (with tp: DTensor and FSDP2)
 
@@ -151,12 +153,14 @@ def batches(
 def process_group(timeout: float = 60.0, mpi_comm=None) -> Iterator[tuple[int, int]]:
     """torch.distributed's default process group over the running MPI ranks; (rank, size).
 
-    gloo, rank and size from MPI (mpi_comm, default COMM_WORLD), rendezvous on a TCPStore on
-    127.0.0.1 (rank 0 binds a free port and tells the others over MPI), gloo's own sockets on
-    the loopback interface: nothing listens on a public interface. `timeout` (seconds) bounds
-    the rendezvous and every collective (init_process_group's timeout, the package's
-    --timeout). On the way out every rank waits for the others, then the group is destroyed:
-    gloo's threads end with it, and no process is left.
+    gloo, rank and size from MPI (mpi_comm, default COMM_WORLD), rendezvous on a FileStore in
+    a fresh directory that rank 0 makes and names to the others over MPI (the ranks share one
+    host's disk), gloo's own sockets on the loopback interface. Not a TCPStore: its server
+    listens on every interface, whatever address it is given. `timeout` (seconds) bounds the
+    rendezvous and every collective (init_process_group's timeout, the package's --timeout).
+    On the way out every rank waits for the others, then the group is destroyed (gloo's threads
+    end with it, and no process is left) and rank 0 removes the directory. gloo keeps a few
+    sockets listening on 127.0.0.1 for the life of the process; another group reuses them.
     """
     if mpi_comm is None:
         from mpi4py import MPI
@@ -166,20 +170,26 @@ def process_group(timeout: float = 60.0, mpi_comm=None) -> Iterator[tuple[int, i
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already running on this rank")
     os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK_DEVICE
-    wait = timedelta(seconds=timeout)
-    store = None
-    if rank == 0:  # port 0: the system picks a free one
-        store = dist.TCPStore(LOOPBACK, 0, size, True, timeout=wait, wait_for_workers=False)
-    port = mpi_comm.bcast(store.port if rank == 0 else None, root=0)
-    if rank != 0:
-        store = dist.TCPStore(LOOPBACK, port, size, False, timeout=wait)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=wait)
+    directory = mpi_comm.bcast(tempfile.mkdtemp(prefix="torch-bridge-") if rank == 0 else None)
     try:
-        yield rank, size
+        store = dist.FileStore(os.path.join(directory, "store"), size)
+        store.set_timeout(timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+        )
+        try:
+            yield rank, size
+        finally:
+            mpi_comm.Barrier()  # no rank destroys the group while another still uses it
+            dist.destroy_process_group()
+            del store
+            # FSDP2's and DTensor's modules hold their groups in reference cycles: collected
+            # now, their gloo sockets close, and a next group does not add to them
+            gc.collect()
     finally:
-        mpi_comm.Barrier()  # rank 0's store serves the others until all are done
-        dist.destroy_process_group()
-        del store
+        mpi_comm.Barrier()  # every rank has let go of the store's file
+        if rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 # --- what a rank holds and sends -------------------------------------------------------------

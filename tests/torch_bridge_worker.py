@@ -4,8 +4,9 @@ parameters and batches.
 
 Rank 0 writes, per run: both runs' losses and whole parameters, and every rank's bytes (the
 package's ledger, PyTorch's local tensors) and traffic of one step (the package's Comm, the
-bridge's CollectiveCounter); and whether each rank's process group was gone afterwards with no
-child process left.
+bridge's CollectiveCounter); and, per rank, the sockets the bridge's process group listened on,
+whether afterwards the group was gone with no child process left, and the listening sockets
+left after it and after another group on the same ranks.
 """
 
 import pickle
@@ -35,9 +36,15 @@ if N == 4:  # the options, once: the same wrapping with one argument changed
     }
 
 
+def listening() -> set:
+    """The (address, port) this process listens on."""
+    connections = psutil.Process().net_connections("inet")
+    return {tuple(c.laddr) for c in connections if c.status == psutil.CONN_LISTEN}
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)  # a core per rank, as the package's ranks (launch.py)
-    data, results = Dataset.load(), {}
+    data, results, before = Dataset.load(), {}, listening()
     with torch_bridge.process_group(timeout=60) as (rank, size):
         for name, settings in RUNS.items():
             config = TrainConfig(
@@ -65,7 +72,17 @@ def main(out: str) -> None:
                     "torch_params": bridge["params"],
                     "per_rank": per_rank,
                 }
-    teardown = {"initialized": dist.is_initialized(), "children": psutil.Process().children()}
+        opened = sorted(listening() - before)  # gloo's, for the world and the meshes' groups
+    left = sorted(listening() - before)
+    with torch_bridge.process_group(timeout=60):  # again, on the same ranks (a cluster's engines)
+        torch_bridge.train(ModelConfig(), TrainConfig(tp=2, strategy="zero3", steps=2), data)
+    teardown = {
+        "initialized": dist.is_initialized(),
+        "children": psutil.Process().children(),
+        "opened": opened,
+        "left_listening": left,
+        "left_after_another": sorted(listening() - before),
+    }
     teardowns = gather_objects(Comm.world(), teardown)
     if rank == 0:
         results["teardown"] = teardowns
