@@ -9,6 +9,8 @@ What this course built by hand, run by the library learners use at work, on the 
     --precision bf16                   MixedPrecisionPolicy(param_dtype=bfloat16,
                                                             reduce_dtype=float32)
     --tp T (Megatron's pairs)          ColwiseParallel / RowwiseParallel over a 2-D DeviceMesh
+    --resume a package checkpoint      torch.distributed.checkpoint (DCP) of FSDP2, converted
+                                       by dcp_to_package
 
 The module starts from the package's own initial parameters (model.MLP.init_params, the same
 Rng) and draws the package's own batches (data.GlobalBatchSampler, rank_slice's rule), so a run
@@ -35,13 +37,16 @@ except ModuleNotFoundError as missing:  # the course without the extra: one line
     raise ModuleNotFoundError(INSTALL_HINT, name="torch") from None
 
 import gc
+import json
 import os
 import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, replace
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
@@ -49,12 +54,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .checkpoint import save_checkpoint, to_layout
 from .collectives import counted_per_call
+from .comm import Comm
 from .config import DEFAULT_LR, ModelConfig, TrainConfig
 from .data import Dataset, GlobalBatchSampler
 from .flat import FlatParam
 from .model import MLP, Embedding, Linear, Params
 from .rng import make_rng
+from .train import run
 
 LOOPBACK_DEVICE = "lo"  # gloo's sockets: the loopback interface, as launch.py's MPI settings
 STRATEGIES = ("dp", "zero3")  # what `train` runs: DDP and FSDP2 (with tp: DTensor and FSDP2)
@@ -369,7 +377,11 @@ def wrap(module: TorchMLP, tc: TrainConfig, size: int) -> tuple[nn.Module, int, 
 
 
 def train(
-    model_config: ModelConfig, tc: TrainConfig, data: Dataset | None = None, count_step: int = 2
+    model_config: ModelConfig,
+    tc: TrainConfig,
+    data: Dataset | None = None,
+    count_step: int = 2,
+    save: tuple[int, str | os.PathLike] | None = None,
 ) -> dict:
     """Train as the package's `train.run` would with tc (its strategy, steps, batch, seed,
     optimizer, lr, tp, precision, reshard_after_forward), in PyTorch, inside process_group.
@@ -378,7 +390,8 @@ def train(
     ranks, as the package reports it), `params` (every layer whole, the package's layout),
     `bytes` (local_bytes after the last step, before its gradients are cleared) and `traffic`
     (CollectiveCounter over step `count_step`: not the first two, when DDP still broadcasts
-    its buckets' order).
+    its buckets' order). With save=(k, directory): save_dcp after k steps, and `saved_params`,
+    the parameters it saved, whole.
     """
     size = dist.get_world_size()
     data = data or Dataset.load(seq_len=model_config.seq_len)
@@ -404,9 +417,70 @@ def train(
                 total = torch.tensor([loss.item()], dtype=torch.float64)
                 dist.all_reduce(total)
             losses[step] = total.item() / size
-    return {
+            if save is not None and step + 1 == save[0]:
+                save_dcp(module, save[1], step + 1, rng, losses)
+                saved = full_params(module)
+    out = {
         "losses": losses,
         "params": full_params(module),
         "bytes": local_bytes(module, optimizer),
         "traffic": counter.traffic,
     }
+    return out if save is None else out | {"saved_params": saved}
+
+
+# --- checkpoints across the bridge ---------------------------------------------------------
+
+BRIDGE_STATE = "bridge.json"  # beside a DCP checkpoint: what the package's checkpoint also keeps
+
+
+def save_dcp(module: nn.Module, directory: str | os.PathLike, step: int, rng, losses) -> None:
+    """A torch.distributed.checkpoint (DCP) of the module's parameters, each rank writing its
+    own shards, and beside it (rank 0) the step, the data's RNG state and the losses so far,
+    which a package checkpoint also keeps. A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(module)}, checkpoint_id=directory)
+    if dist.get_rank() == 0:
+        state = {"step": step, "rng": rng.get_state(), "losses": list(losses[:step])}
+        Path(directory, BRIDGE_STATE).write_text(json.dumps(state))
+    dist.barrier()
+
+
+def dcp_to_package(
+    directory: str | os.PathLike,
+    out: str | os.PathLike,
+    model_config: ModelConfig,
+    tc: TrainConfig,
+    comm: Comm,
+) -> None:
+    """The converter: save_dcp's checkpoint at `directory` as a package checkpoint at `out`,
+    which `--resume` continues with tc on comm's ranks. A collective on comm.
+
+    Every rank reads the whole parameters (DCP reshards its shards into full tensors, without
+    a process group), the package builds its strategy for tc as `run` does (steps=0: not
+    trained), loads them, and writes its own checkpoint, with the DCP's step, RNG and losses.
+    Parameters only: an Adam state would need its moments carried too.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if tc.optimizer != "sgd":
+        raise ValueError("dcp_to_package carries parameters only: convert an SGD run")
+    shapes = TorchMLP(model_config, MLP(model_config).init_params(make_rng(0))).state_dict()
+    state = {"model": {key: torch.empty_like(value) for key, value in shapes.items()}}
+    with warnings.catch_warnings():  # "assuming ... to load in a single process": as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable")
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
+    params = to_package(state["model"])
+    saved = json.loads(Path(directory, BRIDGE_STATE).read_text())
+    _, strategy = run(model_config, replace(tc, steps=0), comm=comm)
+    vectors = {  # every layer's, a ReLU's empty
+        f"{layer.name}.params": FlatParam(layer.shapes).flatten(params.get(layer.name, {}))
+        for layer in strategy.model.layers
+    }
+    strategy.load_state(to_layout(vectors, strategy))
+    rng = make_rng(tc.seed)
+    rng.set_state(saved["rng"])
+    losses = np.asarray(saved["losses"], dtype=np.float64)
+    save_checkpoint(out, strategy, saved["step"], rng, asdict(model_config), tc.to_dict(), losses)
