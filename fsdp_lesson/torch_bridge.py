@@ -358,6 +358,8 @@ def wrap(module: TorchMLP, tc: TrainConfig, size: int) -> tuple[nn.Module, int, 
     rank = dist.get_rank()
     if tc.strategy not in STRATEGIES:
         raise ValueError(f"the bridge runs --strategy {' or '.join(STRATEGIES)}, not {tc.strategy}")
+    if size % tc.tp:
+        raise ValueError(f"--tp {tc.tp} needs a multiple of {tc.tp} ranks, not {size}")
     if tc.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -94,6 +94,29 @@ def test_shard_bytes_counts_both_layouts():
     assert [shard_bytes(ModelConfig(), 1, 0)[k] for k in ("fsdp2", "package")] == [MODEL_BYTES] * 2
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(strategy="zero1"), "the bridge runs --strategy dp or zero3, not zero1"),
+        (dict(strategy="zero3", tp=2), "--tp 2 needs a multiple of 2 ranks, not 1"),
+    ],
+)
+def test_what_the_bridge_does_not_run_is_refused_in_one_line(settings, message):
+    """On one rank (MPI.COMM_SELF): a strategy the bridge does not map, a mesh that does not
+    divide the ranks; and a second group on a rank that runs one."""
+    from mpi4py import MPI
+
+    from fsdp_lesson.config import TrainConfig
+    from fsdp_lesson.torch_bridge import process_group, train
+
+    with process_group(timeout=30, mpi_comm=MPI.COMM_SELF):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            train(ModelConfig(), TrainConfig(steps=1, **settings))
+        with pytest.raises(RuntimeError, match="already running on this rank"):
+            with process_group(timeout=30, mpi_comm=MPI.COMM_SELF):
+                pass
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["dp", "zero3", "zero3-adam"])
 def test_each_ranks_bytes_are_the_ledgers_up_to_the_layouts(bridge, name):
