@@ -1,6 +1,7 @@
 # make run   execute the whole lesson on a local 4-engine MPI cluster; HTML in build/html/
 # make test  the whole test suite (unit, MPI, notebooks); leaves no process running
 # make lab   JupyterLab with a 4-engine MPI cluster
+# make torch  the optional torch extra (PyTorch's CPU build) for the PyTorch bridge
 # make student  student copies of the notebooks, solutions replaced by stubs, in build/student/
 # make grade SUBMISSIONS=dir  (root) grade a class's answers, each in a sandbox: build/grades/DIR/
 # make hosts  simulated hosts (no root: a user namespace, private to this checkout), HOSTS=2 x
@@ -13,7 +14,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: run test lab student grade hosts hosts-down clean
+.PHONY: run test lab torch student grade hosts hosts-down clean
 
 $(VENV)/installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ test: $(VENV)/installed
 
 lab: $(VENV)/installed
 	$(PY) tools/lesson.py lab
+
+torch: $(VENV)/installed
+	$(PY) tools/install_torch.py
 
 student: $(VENV)/installed
 	$(PY) tools/student.py
