@@ -107,7 +107,7 @@ class ModelConfig:
     seq_len: int = 16  # context length
     emb: int = flag("--emb", 16, "embedding width", type=positive_int)
     hidden: int = flag(
-        "--hidden", 64, "hidden width (gpt: its MLP's, 4 x --emb by default)", type=positive_int
+        "--hidden", 64, "hidden width (gpt: its MLP's, 4 x the default --emb)", type=positive_int
     )
     layers: int = flag(
         "--layers",
