@@ -227,10 +227,12 @@ def test_causal_attention_checker_accepts_the_key_and_names_each_mistake(capsys,
     assert lines(capsys) == ["✗ causal_attention: not solved yet"]
 
 
-def test_block_shard_checker_accepts_the_key_and_names_each_mistake(capsys, student):
-    def numel(e, f):
-        return 4 * e * e + 2 * e * f + 8 * e + f
+def numel(e, f):
+    """One transformer block's parameters (E = e, F = f): the exercise's key."""
+    return 4 * e * e + 2 * e * f + 8 * e + f
 
+
+def test_block_shard_checker_accepts_the_key_and_names_each_mistake(capsys, student):
     assert transformer.check_block_shard_bytes(lambda e, f, n: 4 * -(-numel(e, f) // n))
     assert lines(capsys)[0].startswith("✓ block_shard_bytes: correct")
     mistakes = {
