@@ -13,7 +13,14 @@ import pytest
 from fsdp_lesson import checks
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.data import Dataset, GlobalBatchSampler
-from fsdp_lesson.exercises import checkpoints, communication, fsdp_practice, memory, pipeline
+from fsdp_lesson.exercises import (
+    checkpoints,
+    communication,
+    fsdp_practice,
+    memory,
+    pipeline,
+    transformer,
+)
 from fsdp_lesson.model import MLP, loss_and_grads
 from fsdp_lesson.pipeline import Stage
 from fsdp_lesson.rng import make_rng
@@ -170,3 +177,79 @@ def test_no_checker_line_prints_an_expected_figure(capsys, student):
     memory.check_smallest_n_70b(26)
     text = capsys.readouterr().out
     assert "27" not in text  # the expected N
+
+
+# --- notebook 14: causal attention for one head, and one block's shard under zero3 -----------
+
+
+def right_attention(q, k, v):
+    s = q @ k.T / np.sqrt(q.shape[-1])
+    s[np.triu_indices(len(q), 1)] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True) @ v
+
+
+def wrong_attention(mask_offset=0, axis=-1, scale=None, masked=True):
+    """One head's attention with one usual mistake: a key j is seen when j <= i + mask_offset;
+    the softmax over `axis`; the scores times `scale` (None: 1/sqrt(d))."""
+
+    def attention(q, k, v):
+        s = q @ k.T * (1 / np.sqrt(q.shape[-1]) if scale is None else scale)
+        if masked:
+            s[np.arange(len(k))[None, :] > np.arange(len(q))[:, None] + mask_offset] = -np.inf
+        with np.errstate(invalid="ignore"):
+            p = np.exp(s - s.max(axis=axis, keepdims=True))
+            return p / p.sum(axis=axis, keepdims=True) @ v
+
+    return attention
+
+
+def test_causal_attention_checker_accepts_the_key_and_names_each_mistake(capsys, student):
+    assert transformer.check_causal_attention(right_attention)
+    assert lines(capsys)[0].startswith("✓ causal_attention: correct")
+    mistakes = {
+        "no causal mask": wrong_attention(masked=False),
+        "also sees the key just after it": wrong_attention(mask_offset=1),
+        "does not see its own key": wrong_attention(mask_offset=-1),
+        "taken over the queries (axis 0)": wrong_attention(axis=0),
+        "not scaled: divide q k^T by sqrt(d)": wrong_attention(scale=1.0),
+        "the scores are divided by d": wrong_attention(scale=0.25),  # d = 4 in the first case
+    }
+    for says, answer in mistakes.items():
+        assert not transformer.check_causal_attention(answer)
+        (line,) = lines(capsys)
+        assert line.startswith("✗ causal_attention (T=6, d=4): ") and says in line, line
+    assert not transformer.check_causal_attention(lambda q, k, v: right_attention(q, k, v).T)
+    assert "the output has one row per query" in lines(capsys)[0]
+    assert not transformer.check_causal_attention(lambda q, k, v: (right_attention(q, k, v), 0))
+    assert "return the output alone" in lines(capsys)[0]
+    assert not transformer.check_causal_attention(lambda q, k, v: None)
+    assert lines(capsys) == ["✗ causal_attention: not solved yet"]
+
+
+def numel(e, f):
+    """One transformer block's parameters (E = e, F = f): the exercise's key."""
+    return 4 * e * e + 2 * e * f + 8 * e + f
+
+
+def test_block_shard_checker_accepts_the_key_and_names_each_mistake(capsys, student):
+    assert transformer.check_block_shard_bytes(lambda e, f, n: 4 * -(-numel(e, f) // n))
+    assert lines(capsys)[0].startswith("✓ block_shard_bytes: correct")
+    mistakes = {
+        "no padding": lambda e, f, n: 4 * numel(e, f) / n,
+        "rounded down": lambda e, f, n: 4 * (numel(e, f) // n),
+        "elements, not bytes": lambda e, f, n: -(-numel(e, f) // n),
+        "the whole block": lambda e, f, n: 4 * numel(e, f),
+        "one bias of emb too many: the keys have none": lambda e, f, n: (
+            4 * -(-(numel(e, f) + e) // n)
+        ),
+        "the LayerNorms are missing": lambda e, f, n: 4 * -(-(numel(e, f) - 4 * e) // n),
+    }
+    for says, answer in mistakes.items():
+        assert not transformer.check_block_shard_bytes(answer)
+        (line,) = lines(capsys)
+        assert line.startswith("✗ block_shard_bytes(emb=") and says in line, line
+    assert not transformer.check_block_shard_bytes(lambda e, f, n: 4 * -(-numel(e, f) // n) + 4)
+    assert "too large" in lines(capsys)[0]
+    assert not transformer.check_block_shard_bytes(lambda e, f, n: None)
+    assert lines(capsys) == ["✗ block_shard_bytes: not solved yet"]

@@ -410,6 +410,17 @@ def test_activation_vs_batch_draws_measured_points_on_predicted_lines():
     fig.canvas.draw()
 
 
+def test_activation_vs_sequence_draws_the_ledger_solid_and_the_counts_dashed():
+    from fsdp_lesson.plots import activation_vs_sequence
+
+    fig = activation_vs_sequence([16, 32], {"ledger": [10, 20]}, {"naive P": [4, 16]})
+    ax = fig.axes[0]
+    assert [list(line.get_ydata()) for line in ax.lines] == [[10, 20], [4, 16]]
+    assert [line.get_linestyle() for line in ax.lines] == ["-", "--"]
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    fig.canvas.draw()
+
+
 def test_precision_curves_draws_the_reference_solid_and_the_differences_below():
     from fsdp_lesson.plots import precision_curves
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from test_exercises import numel, wrong_attention  # notebook 14's usual wrong answers
 
 from fsdp_lesson import checks
 from fsdp_lesson.config import ModelConfig
-from fsdp_lesson.exercises import data_parallel, zero3, zero12
+from fsdp_lesson.exercises import data_parallel, transformer, zero3, zero12
 from fsdp_lesson.flat import FlatParam
 from fsdp_lesson.model import MLP
 
@@ -152,6 +153,16 @@ LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
         lambda: zero3.check_zero3_saving(
             lambda psi_pad, largest, n: 4 * psi_pad * (n - 1) / n - 8 * largest
         ),  # fmt: skip
+    ],
+    "14": [
+        lambda: transformer.check_causal_attention(wrong_attention(masked=False)),
+        lambda: transformer.check_causal_attention(wrong_attention(mask_offset=-1)),
+        lambda: transformer.check_causal_attention(wrong_attention(mask_offset=1)),
+        lambda: transformer.check_causal_attention(wrong_attention(axis=0)),
+        lambda: transformer.check_causal_attention(wrong_attention(scale=1.0)),
+        lambda: transformer.check_block_shard_bytes(lambda e, f, n: -(-numel(e, f) // n)),
+        lambda: transformer.check_block_shard_bytes(lambda e, f, n: 4 * -(-(numel(e, f) + e) // n)),
+        lambda: transformer.check_block_shard_bytes(lambda e, f, n: 4 * numel(e, f) / n),
     ],
 }
 

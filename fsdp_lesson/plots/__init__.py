@@ -19,6 +19,7 @@ timelines      timeline({"prefetch": [trace of rank 0, ...]})     one step's com
 memory         memory_bars({"dp": [peak of rank 0, ...]}, ...)    per-rank bytes by category
                bytes_per_parameter({"fp32": plan.FP32_ADAM})      params, grads, optimizer per param
                lever_bars, activation_vs_batch                    the memory levers (07)
+               activation_vs_sequence(s, ledger, counted)         activations against s (14)
                memory_timeline, gathered_units                    live bytes over one step's events
 mesh           mesh_memory({"405B": 1024}, recompute=True)        the (dp, tp, pp) meshes that fit
 pipeline       pipeline_lanes(records), bubble_curves((2, 4))     stages' ops and idle; the bubble
@@ -44,6 +45,7 @@ from .memory import (
     LEVER_COLORS,
     LEVER_PARTS,
     activation_vs_batch,
+    activation_vs_sequence,
     bytes_per_parameter,
     gathered_spans,
     gathered_units,
@@ -80,6 +82,7 @@ __all__ = [
     "PLANNED",
     "TRACE_LANES",
     "activation_vs_batch",
+    "activation_vs_sequence",
     "batch_by_rank",
     "bubble_curves",
     "bytes_per_parameter",

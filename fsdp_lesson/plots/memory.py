@@ -129,6 +129,27 @@ def activation_vs_batch(
     return _finish(fig, ax, "activation peak kB per rank", "activations vs batch size")
 
 
+def activation_vs_sequence(
+    seq_lens: list[int], ledger: dict[str, list[int]], counted: dict[str, list[int]]
+) -> Figure:
+    """Activation bytes per sequence length on log-log axes: the ledger's (measured or
+    predicted) as solid lines with markers, counted formulas dashed; a straight line's slope is
+    the power of s (1: linear, 2: s²)."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for label, values in ledger.items():
+        ax.plot(seq_lens, values, "o-", label=label)
+    for label, values in counted.items():
+        ax.plot(seq_lens, values, "s--", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
+    ax.set_xlabel("sequence length s (positions)")
+    ax.set(ylabel="bytes per rank", title="activations vs sequence length")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
 def memory_timeline(timelines: dict[str, list[tuple[str, int]]]) -> Figure:
     """Live bytes on a rank at every ledger event of one step, a panel per strategy; the
     backward pass shaded from the event "hold dlogits"; zero3's gathers (the events
