@@ -1,7 +1,7 @@
-"""The exercise checkers of notebooks 06-09 and 12 (fsdp_lesson/exercises/): a right answer
-passes, each usual mistake gets its own line saying where and how, a stub says "not solved yet",
-and no line gives the expected value. The cluster-side parts run in the notebooks (nbval) and in
-their student copies (test_student.py)."""
+"""The exercise checkers of notebooks 02, 03, 06-09 and 12 (fsdp_lesson/exercises/): a right
+answer passes, each usual mistake gets its own line saying where and how, a stub says "not
+solved yet", and no line gives the expected value. The cluster-side parts run in the notebooks
+(nbval) and in their student copies (test_student.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ import pytest
 from fsdp_lesson import checks
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.data import Dataset, GlobalBatchSampler
-from fsdp_lesson.exercises import checkpoints, communication, fsdp_practice, memory, pipeline
+from fsdp_lesson.exercises import (
+    checkpoints,
+    communication,
+    fsdp_practice,
+    memory,
+    pipeline,
+    single_rank,
+)
 from fsdp_lesson.model import MLP, loss_and_grads
 from fsdp_lesson.pipeline import Stage
 from fsdp_lesson.rng import make_rng
@@ -170,3 +177,82 @@ def test_no_checker_line_prints_an_expected_figure(capsys, student):
     memory.check_smallest_n_70b(26)
     text = capsys.readouterr().out
     assert "27" not in text  # the expected N
+
+
+def test_count_params_and_relu_backward_name_the_item_and_hide_the_value(capsys, student):
+    def key(V, S, E, H):
+        return V * E + S * E * H + H + H * V + V
+
+    assert single_rank.check_count_params(key)
+    assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) - H - V)
+    assert not single_rank.check_count_params(lambda V, S, E, H: None)
+    assert single_rank.check_relu_backward(lambda x, dout: dout * (x > 0))
+    assert not single_rank.check_relu_backward(lambda x, dout: np.maximum(dout, 0))
+    _, biases, stub, _, gate = lines(capsys)
+    assert biases.startswith("✗ count_params: item 0: too small")
+    assert str(MLP(ModelConfig()).num_params) not in biases.replace(",", "")
+    assert "not solved yet" in stub
+    assert gate.startswith("✗ relu_backward: item (0, ")
+
+
+def test_prefetch_order_is_zero3s_own_choice():
+    order = fsdp_practice.zero3_order(ModelConfig(layers=4, hidden=256))
+    count = len(order) // 2
+    assert order == {
+        (u, backward): (u - 1 if backward else u + 1)
+        if 0 <= (u - 1 if backward else u + 1) < count
+        else None
+        for u in range(count)
+        for backward in (False, True)
+    }
+
+
+def test_ring_call_seconds_names_the_kind_that_is_wrong(capsys, student):
+    line = {"alpha_s": 10e-6, "beta_s_per_byte": 1e-9}
+    report = {
+        kind: {"calls": 3, "buffer_bytes": 4000, "messages": (2 if kind == "allreduce" else 1)
+               * 3 * 3, "sent_bytes": (2 if kind == "allreduce" else 1) * 3 / 4 * 4000}
+        for kind in communication.KINDS
+    }  # fmt: skip
+    runs = {("seed", 4, "dp"): [report]}
+
+    def key(line, kind, n, calls, buffer_bytes):
+        factor = 2 if kind == "allreduce" else 1
+        return line["alpha_s"] * factor * (n - 1) * calls + line["beta_s_per_byte"] * (
+            factor * (n - 1) / n * buffer_bytes
+        )
+
+    assert communication.check_ring_call_seconds(key, runs, line)
+    assert not communication.check_ring_call_seconds(
+        lambda line, kind, n, calls, b: key(line, "allgather", n, calls, b), runs, line
+    )
+    out = lines(capsys)
+    assert out[-1].startswith("✗ ring_call_seconds (allreduce): item 0: too small by a factor of 2")
+
+
+def test_rank_1_of_3_checks_both_answers(capsys, student):
+    numel = 16 * 16 * 64 + 64
+    size = -(-numel // 3)
+    assert checkpoints.check_rank_1_of_3((size, 2 * size), 3 * size - numel, ModelConfig())
+    assert not checkpoints.check_rank_1_of_3((size - 1, 2 * size - 1), 3 * size - numel,
+                                             ModelConfig())  # fmt: skip
+    out = lines(capsys)
+    assert out[-2].startswith("✗ fc1_rank_1_of_3: item 0: one too few")
+    assert str(size) not in out[-2].replace(",", "")
+
+
+def test_my_1f1b_names_the_stage_and_the_mistake(capsys, student):
+    from fsdp_lesson.pipeline import schedule_ops
+
+    assert pipeline.check_1f1b(lambda P, s, M: schedule_ops("1f1b", P, s, M))
+    assert pipeline.check_1f1b(lambda P, s, M: [list(op) for op in schedule_ops("1f1b", P, s, M)])
+    assert not pipeline.check_1f1b(lambda P, s, M: schedule_ops("gpipe", P, s, M))
+    assert not pipeline.check_1f1b(lambda P, s, M: None)
+    assert not pipeline.check_1f1b(lambda P, s, M: [("F", 0)] if M > 1 else schedule_ops(
+        "1f1b", P, s, M))  # fmt: skip
+    out = lines(capsys)
+    assert out[2] == (
+        "✗ my_1f1b: stage 0 of 2, M = 3: op 2 is a forward, a backward was due — warm-up too long"
+    )
+    assert "not solved yet" in out[3]
+    assert out[4] == "✗ my_1f1b: stage 0 of 2, M = 2: 1 ops where 4 are due"

@@ -123,13 +123,13 @@ PSI = MLP(ModelConfig()).num_params
 LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
     "03": [
         lambda: data_parallel.check_dp_traffic(
-            lambda n, psi: 2 * (n - 1) / n * 4 * psi, PSI, data_parallel.dp_bytes_per_step(4, PSI)
+            lambda n, psi: 2 * (n - 1) / n * 4 * psi, data_parallel.dp_bytes_per_step(4, PSI)
         ),
         lambda: data_parallel.check_dp_traffic(
-            lambda n, psi: (n - 1) / n * (4 * psi + 8), PSI, data_parallel.dp_bytes_per_step(4, PSI)
+            lambda n, psi: (n - 1) / n * (4 * psi + 8), data_parallel.dp_bytes_per_step(4, PSI)
         ),
         lambda: data_parallel.check_dp_traffic(
-            lambda n, psi: 2 * (n - 1) * (4 * psi + 8), PSI, data_parallel.dp_bytes_per_step(4, PSI)
+            lambda n, psi: 2 * (n - 1) * (4 * psi + 8), data_parallel.dp_bytes_per_step(4, PSI)
         ),
     ],
     "04": [

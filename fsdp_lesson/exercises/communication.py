@@ -1,11 +1,12 @@
-"""Notebook 08's checker of exercise 2, the batch that hides a stage's communication: the
-expected batch comes from `plan.step_seconds` here, so the learner's cell shows only the call."""
+"""Notebook 08's checkers: the batch that hides a stage's communication (exercise 2, expected
+from `plan.step_seconds`) and a collective's time from α and β (exercise 4, expected from
+`commbench.predict_seconds`), computed here, so the learner's cell shows only the call."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from fsdp_lesson import plan
+from fsdp_lesson import commbench, plan
 from fsdp_lesson.checks import check
 
 PSI = 1e9  # any Ψ: the batch does not depend on it
@@ -32,6 +33,35 @@ def check_hiding_batch(hiding_batch: Callable) -> bool:
             atol=1e-6,
             hint="set the compute time equal to the communication time and solve for"
             " the batch; count the bytes of each collective of the stage",
+        ):
+            return False
+    return True
+
+
+KINDS = ("allreduce", "allgather", "reduce_scatter")
+
+
+def check_ring_call_seconds(ring_call_seconds: Callable, runs: dict, line: dict) -> bool:
+    """Exercise 4: ring_call_seconds(line, kind, n, calls, buffer_bytes) for the calls and
+    buffer bytes of every kind on every rank of `runs` ((model, N, strategy) -> the ranks'
+    traffic reports), against `commbench.predict_seconds` of the same reports with `line`;
+    one verdict per kind, so that it names the kind that is wrong."""
+    yours: dict[str, list] = {kind: [] for kind in KINDS}
+    expected: dict[str, list] = {kind: [] for kind in KINDS}
+    for (_, n, _), reports in runs.items():
+        for report in reports:
+            predicted = commbench.predict_seconds(report, dict.fromkeys(KINDS, line))
+            for kind in KINDS:
+                t = report[kind]
+                yours[kind].append(ring_call_seconds(line, kind, n, t["calls"], t["buffer_bytes"]))
+                expected[kind].append(predicted[kind])
+    for kind in KINDS:
+        if not check(
+            f"ring_call_seconds ({kind})",
+            yours[kind],
+            expected[kind],
+            atol=1e-12,
+            hint="per call N-1 messages of F/N bytes; an allreduce sends twice that",
         ):
             return False
     return True
