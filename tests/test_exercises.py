@@ -6,6 +6,7 @@ solved yet", and no line gives the expected value. The cluster-side parts run in
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,8 @@ from fsdp_lesson.exercises import (
 from fsdp_lesson.model import MLP, loss_and_grads
 from fsdp_lesson.pipeline import Stage
 from fsdp_lesson.rng import make_rng
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -164,13 +167,16 @@ def test_the_rehearsal_refuses_a_float64_buffer_and_names_a_missing_send(seed_pa
     with pytest.raises(
         pipeline.StagePassError,
         match="^stage 1: receives from rank 0 with a float64 buffer; the stages exchange",
-    ):
+    ) as float64:
         rehearse(seed_pass, 1, dtype=np.float64)
     _, missing = rehearse(seed_pass, 0, send_on=False)
     assert missing == (
         "stage 0 never sends its output to stage 1 (pp.send(..., 1)): stage 1"
         " would wait for it forever"
     )
+    guide = " ".join((ROOT / "docs" / "teaching.md").read_text().split())
+    for line in (str(float64.value), missing):  # as check_stage_pass prints them
+        assert f"✗ my_stage_pass: {line}" in guide, f"teaching.md 12 should quote {line!r}"
 
 
 def test_no_checker_line_prints_an_expected_figure(capsys, student):
