@@ -17,6 +17,7 @@ from fsdp_lesson.data import Dataset, GlobalBatchSampler
 from fsdp_lesson.exercises import (
     checkpoints,
     communication,
+    dataset,
     fsdp_practice,
     memory,
     pipeline,
@@ -262,3 +263,19 @@ def test_my_1f1b_names_the_stage_and_the_mistake(capsys, student):
     )
     assert "not solved yet" in out[3]
     assert out[4] == "✗ my_1f1b: stage 0 of 2, M = 2: 1 ops where 4 are due"
+
+
+def test_n_rows_and_rows_of_rank_name_the_item_and_hide_the_value(capsys, student):
+    assert dataset.check_n_rows(lambda L: L + 1)
+    assert not dataset.check_n_rows(lambda L: L)
+    assert not dataset.check_n_rows(lambda L: None)
+    assert dataset.check_rows_of_rank([b for b in range(32) if b % 8 == 2])
+    assert not dataset.check_rows_of_rank(list(range(8, 12)))  # a block, not a stride
+    assert not dataset.check_rows_of_rank(None)
+    _, one_few, stub, _, block, stub_2 = lines(capsys)
+    assert one_few == (
+        "✗ n_rows: item 0: one too few (and 2 more) — count the tokens of a name, the boundary"
+        " included"
+    )
+    assert block.startswith("✗ rank 2 of 8: item 0: too large by a factor of 4 (and 3 more)")
+    assert "not solved yet" in stub and "not solved yet" in stub_2

@@ -19,6 +19,7 @@ from fsdp_lesson.exercises import (
     checkpoints,
     communication,
     data_parallel,
+    dataset,
     fsdp_practice,
     memory,
     pipeline,
@@ -220,6 +221,11 @@ LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
         lambda: zero3.check_zero3_saving(
             lambda psi_pad, largest, n: 4 * psi_pad * (n - 1) / n - 8 * largest
         ),  # fmt: skip
+    ],
+    "01": [
+        lambda: dataset.check_n_rows(lambda L: L),
+        lambda: dataset.check_rows_of_rank([b for b in range(32) if b // 4 == 2]),
+        lambda: dataset.check_rows_of_rank([b for b in range(32) if b % 8 == 3]),
     ],
     "02": [
         lambda: single_rank.check_count_params(count_params_without_biases),

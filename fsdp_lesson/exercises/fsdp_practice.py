@@ -1,10 +1,11 @@
-"""Notebook 06's checkers: the prefetch order (exercise 1), the HSDP groups (exercise 3) and
-clipping under sharding (exercise 4).
+"""Notebook 06's checkers: the prefetch order (exercise 1), zero3's bytes per step (exercise
+2), the HSDP groups (exercise 3) and clipping under sharding (exercise 4).
 
 Each runs the real strategy (on the engines where it must), computes the expected answer from
 it, and says which mistake an answer makes (the first unit and direction that is not zero3's
-choice; a group that is not its communicator's; a norm of one rank's shards, of squares
-averaged without ×N, or an average of norms) without printing the expected value.
+choice; a collective's bytes too large or too small; a group that is not its communicator's; a
+norm of one rank's shards, of squares averaged without ×N, or an average of norms) without
+printing the expected value.
 """
 
 from __future__ import annotations
@@ -250,3 +251,36 @@ def check_prefetch_order(ranks, next_unit: Callable, model_config, train_config)
         model_vector(theirs[0]["params"]),
         exact=True,
     )
+
+
+def check_sent_bytes(ranks, zero3_sent_bytes: Callable, model_config, train_config) -> bool:
+    """Exercise 2: zero3_sent_bytes(unit_bytes, n, reshard_after_forward) against the bytes per
+    step every kind of collective sent on rank 0, as `Comm` counted them, in two steps of
+    train_config with K = 2 layers per unit kept whole, then K = 3 resharded after forward."""
+    from dataclasses import replace
+
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.model import MLP
+    from fsdp_lesson.strategies.zero3 import make_units
+
+    layers, n = MLP(model_config).layers, ranks.n
+    for k, reshard in ((2, False), (3, True)):
+        config = replace(train_config, steps=2, layers_per_unit=k, reshard_after_forward=reshard)
+        unit_bytes = [4 * unit.flat.padded_numel for unit in make_units(layers, k, n)]
+        answer = zero3_sent_bytes(unit_bytes, n, reshard)
+        if answer is None:
+            return check("sent bytes", None, None)  # the placeholder: "not solved yet"
+        traffic = ranks.run(run_on_engine, model_config, config, timeout=300)[0]["traffic"]
+        counted = {
+            kind: traffic[kind]["sent_bytes"] / config.steps
+            for kind in ("allgather", "reduce_scatter")
+        }
+        if not check(
+            f"K={k}, reshard={reshard}",
+            answer,
+            counted,
+            atol=1e-6,
+            hint="(N-1)/N of the bytes per collective; how many allgathers?",
+        ):
+            return False
+    return True
