@@ -22,6 +22,7 @@ from fsdp_lesson.exercises import (
     memory,
     pipeline,
     single_rank,
+    tensor_parallel,
 )
 from fsdp_lesson.model import MLP, loss_and_grads
 from fsdp_lesson.pipeline import Stage
@@ -279,3 +280,29 @@ def test_n_rows_and_rows_of_rank_name_the_item_and_hide_the_value(capsys, studen
     )
     assert block.startswith("✗ rank 2 of 8: item 0: too large by a factor of 4 (and 3 more)")
     assert "not solved yet" in stub and "not solved yet" in stub_2
+
+
+def test_tp_verdict_names_the_mistake_the_shape_and_the_extra_allreduce(capsys, student):
+    y, b = np.arange(6.0).reshape(2, 3), np.ones(3)
+    mistakes = {"the bias counted T times: add it once, after the sum": y + 3 * b}
+
+    def ranks_with(answer, allreduces=(1, 24)):
+        result = {"items": [("the logits", answer, y, mistakes)], "needed": (1, 24)}
+        return [dict(result, allreduces=allreduces)] * 4
+
+    g = "g is one allreduce-sum of the row layer's output"
+    assert tensor_parallel.tp_verdict("tp_forward", ranks_with(y.copy()), g)
+    assert not tensor_parallel.tp_verdict("tp_forward", ranks_with(y + 3 * b), g)
+    assert not tensor_parallel.tp_verdict("tp_forward", ranks_with(y[:, :2]), g)
+    assert not tensor_parallel.tp_verdict("tp_forward", ranks_with(y, (2, 48)), g)
+    assert not tensor_parallel.tp_verdict("tp_forward", [None] * 4, g)
+    _, bias, shape, extra, stub = lines(capsys)
+    assert bias == (
+        "✗ tp_forward: rank 0, the logits: the bias counted T times: add it once, after the sum"
+    )
+    assert shape == "✗ tp_forward: rank 0, the logits: shape (2, 2), where (2, 3) is expected"
+    assert extra == (
+        "✗ tp_forward: rank 0: the values are right, but tp counted 2 allreduce calls of 48"
+        f" bytes — {g}"
+    )
+    assert "not solved yet" in stub
