@@ -38,6 +38,9 @@ def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n:
                 tc.batch // dp,
                 recompute=tc.recompute,
                 tp=tc.tp,
+                sequence_parallel=tc.sequence_parallel,
+                cp=tc.cp,
+                cp_layout=tc.cp_layout,
                 stage=stage,
                 **options,
             ).values()
@@ -48,8 +51,9 @@ def predicted_peak(strategy: str, model_config: ModelConfig, tc: TrainConfig, n:
 
 
 def data_parallel_size(tc: TrainConfig, n: int) -> int:
-    """The ranks --strategy runs over and the batch is split among: N / (T * P) (mesh.py)."""
-    return n // (tc.tp * tc.pp)
+    """The ranks the batch is split among: N / (T * P * C) (mesh.py); --strategy runs over
+    them and, with --cp, over the C context-parallel ranks of each."""
+    return n // (tc.tp * tc.pp * tc.cp)
 
 
 # What train_step's np.split and its list of losses keep per micro-batch: two array views and

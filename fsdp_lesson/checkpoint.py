@@ -54,8 +54,9 @@ MAY_CHANGE |= set().union(*(s.options_a_resume_may_change for s in STRATEGY_CLAS
 MAY_CHANGE |= {"recompute"}  # recomputes the same bits
 MAY_CHANGE |= {"timeout"}  # how long a collective may wait (--timeout): changes no number
 MAY_CHANGE |= {"micro_batches", "schedule"}  # a pipeline's: the same rows, summed in turn
+MAY_CHANGE |= {"sequence_parallel", "cp_layout"}  # where a sequence's activations lie, no state
 # How a run lays out its state, as the strategy and N do: another needs --reshard.
-LAYOUT = {"layers_per_unit": "--layers-per-unit", "tp": "--tp", "pp": "--pp"}
+LAYOUT = {"layers_per_unit": "--layers-per-unit", "tp": "--tp", "pp": "--pp", "cp": "--cp"}
 # The manifest's keys and their types: anything else is a damaged or foreign manifest.
 MANIFEST_TYPES = {
     "format": int,

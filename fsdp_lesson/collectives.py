@@ -176,6 +176,18 @@ class Collectives(WatchedComm):
 
         shard=None works in place: the result lands in full[:S] (MPI_IN_PLACE), returned.
         """
+        return self._reduce_scatter(full, shard, tag, mean=True)
+
+    def reduce_scatter_sum(
+        self, full: np.ndarray, shard: np.ndarray | None, tag: str = ""
+    ) -> np.ndarray:
+        """shard <- this rank's slice of the sum over ranks of `full` (sequence parallelism's
+        partial products, gpt.py)."""
+        return self._reduce_scatter(full, shard, tag, mean=False)
+
+    def _reduce_scatter(
+        self, full: np.ndarray, shard: np.ndarray | None, tag: str, mean: bool
+    ) -> np.ndarray:
         in_place = shard is None
         if in_place:
             shard = full[: full.size // self.size]
@@ -193,7 +205,8 @@ class Collectives(WatchedComm):
                 self._blocking(
                     "reduce_scatter", self.mpi.Reduce_scatter_block, send, recv, op=self.MPI.SUM
                 )
-            self.to_mean(shard)
+            if mean:
+                self.to_mean(shard)
         self.count("reduce_scatter", full.nbytes, start, tag)
         return shard
 

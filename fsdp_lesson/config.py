@@ -26,6 +26,8 @@ ACCUM_REDUCE = ("every", "last")
 SHARD_GROUPS = ("consecutive", "strided")
 COLLECTIVES = ("mpi", "ring")
 SCHEDULES = ("gpipe", "1f1b")
+CP_LAYOUTS = ("contiguous", "zigzag")  # ring_attention.py's: which positions a cp rank holds
+MODELS = ("mlp", "gpt")  # model.py's MLP (the C program's), gpt.py's transformer
 PRECISIONS = ("fp32", "bf16", "fp16")  # precision.py: what each keeps in 16 bits
 DEFAULT_LR = {"sgd": 0.1, "adam": 1e-3}  # sgd: the C program's rate
 
@@ -98,22 +100,44 @@ def positive_float(text: str) -> float:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The character-level MLP: embedding -> layers x (Linear, ReLU) -> Linear -> softmax."""
+    """The network. mlp, the C program's: embedding -> layers x (Linear, ReLU) -> Linear ->
+    softmax; gpt: embedding -> layers x transformer block -> LayerNorm, Linear (gpt.py)."""
 
     vocab_size: int = 27  # token 0 is '.', the boundary; a-z are 1-26
     seq_len: int = 16  # context length
     emb: int = flag("--emb", 16, "embedding width", type=positive_int)
-    hidden: int = flag("--hidden", 64, "hidden width", type=positive_int)
+    hidden: int = flag(
+        "--hidden", 64, "hidden width (gpt: its MLP's, 4 x --emb by default)", type=positive_int
+    )
     layers: int = flag(
-        "--layers", 1, "hidden Linear+ReLU blocks (1: the C program's model)", type=positive_int
+        "--layers",
+        1,
+        "mlp: hidden Linear+ReLU blocks (1: the C program's model); gpt: transformer blocks",
+        type=positive_int,
+    )
+    model: str = flag(
+        "--model",
+        "mlp",
+        "mlp: the C program's character-level MLP; gpt: a causal transformer that predicts"
+        " every position (gpt.py)",
+        choices=MODELS,
+    )
+    heads: int = flag(
+        "--heads", 4, "gpt: attention heads (--emb must be a multiple)", type=positive_int
     )
 
     def validate(self) -> None:
+        _require_choices(self)
         for name, value in asdict(self).items():
             _require(
-                isinstance(value, int) and value >= 1,
+                name == "model" or (isinstance(value, int) and value >= 1),
                 f"{name} must be a positive integer, got {value!r}",
             )
+        _require(
+            self.model != "gpt" or self.emb % self.heads == 0,
+            f"--emb {self.emb} does not split into {self.heads} heads: use an --emb that is a"
+            f" multiple of --heads (e.g. --emb {self.heads * max(1, self.emb // self.heads)})",
+        )
 
 
 @dataclass(frozen=True)
@@ -209,6 +233,27 @@ class TrainConfig:
         "pipeline parallelism: P stages of consecutive layers; --strategy runs over the"
         " N / (T * P) ranks that hold the same piece",
         type=positive_int,
+    )
+    cp: int = flag(
+        "--cp",
+        1,
+        "gpt: context parallelism, C ranks each hold a slice of every sequence and pass K/V"
+        " around a ring in attention (ring attention); --strategy runs over dp and cp together",
+        type=positive_int,
+    )
+    cp_layout: str = flag(
+        "--cp-layout",
+        "zigzag",
+        "--cp: which positions each rank holds; zigzag (chunks i and 2C-1-i of 2C) balances"
+        " causal attention's work, contiguous (slice i of C) does not",
+        choices=CP_LAYOUTS,
+    )
+    sequence_parallel: bool = flag(
+        "--sequence-parallel",
+        False,
+        "gpt with --tp: split the LayerNorms and the residual stream along the sequence over"
+        " the tp ranks (allgather + reduce-scatter in place of tp's allreduce)",
+        action="store_true",
     )
     micro_batches: int = flag(
         "--micro-batches",
@@ -332,23 +377,72 @@ def check_zero3_options(tc: TrainConfig) -> None:
     )
 
 
+def check_model_options(mc: ModelConfig, tc: TrainConfig) -> None:
+    """What the model and the way it is trained must agree on."""
+    if mc.model == "mlp":
+        _require(
+            not tc.sequence_parallel and tc.cp == 1,
+            f"--{'sequence-parallel' if tc.sequence_parallel else 'cp'} splits a transformer's"
+            " sequence: use it with --model gpt",
+        )
+        return
+    _require(
+        not tc.c_compat,
+        "--c-compat reproduces the C programs, which train the MLP: drop --model gpt or --c-compat",
+    )
+    _require(
+        mc.heads % tc.tp == 0,
+        f"--tp {tc.tp} splits attention by heads, and {mc.heads} heads do not split into"
+        f" {tc.tp}: use --heads that is a multiple of --tp",
+    )
+    _require(
+        not tc.sequence_parallel or tc.tp > 1,
+        "--sequence-parallel splits along the sequence what --tp replicates: use it with"
+        " --tp T (T > 1)",
+    )
+    _require(
+        not tc.sequence_parallel or mc.seq_len % tc.tp == 0,
+        f"--sequence-parallel gives each of --tp {tc.tp} ranks an equal part of the"
+        f" {mc.seq_len} positions: use a --tp that divides {mc.seq_len}",
+    )
+    chunks = tc.cp * (2 if tc.cp_layout == "zigzag" else 1)  # a rank holds seq_len / cp of them
+    _require(
+        mc.seq_len % chunks == 0,
+        f"--cp {tc.cp} --cp-layout {tc.cp_layout} cuts each sequence into {chunks} equal chunks,"
+        f" and {mc.seq_len} positions do not divide into them: use a --seq-len that is a"
+        f" multiple of {chunks}",
+    )
+    local = mc.seq_len // tc.cp  # the positions a cp rank holds, cut again by sp's tp ranks
+    _require(
+        not tc.sequence_parallel or local % tc.tp == 0,
+        f"--sequence-parallel gives each of --tp {tc.tp} ranks an equal part of a cp rank's"
+        f" {local} positions: use a --tp that divides {local}",
+    )
+
+
 def check_ranks(tc: TrainConfig, world_size: int) -> None:
     """TrainConfig.validate's checks that need the rank count (after its own: every size >= 1)."""
+    model_ranks = tc.tp * tc.pp * tc.cp  # the ranks that hold one copy of the model
+    flags = f"--tp {tc.tp} --pp {tc.pp}" + (f" --cp {tc.cp}" if tc.cp > 1 else "")
     _require(
-        world_size % (tc.tp * tc.pp) == 0,
-        f"--tp {tc.tp} --pp {tc.pp} need a multiple of {tc.tp * tc.pp} ranks, but"
-        f" this run has {world_size}: start a multiple of {tc.tp * tc.pp} ranks, or"
-        f" choose --tp and --pp whose product divides {world_size}",
+        world_size % model_ranks == 0,
+        f"{flags} need a multiple of {model_ranks} ranks, but this run has {world_size}: start"
+        f" a multiple of {model_ranks} ranks, or choose sizes whose product divides {world_size}",
     )
-    dp = world_size // (tc.tp * tc.pp)  # the ranks --strategy runs over (mesh.py)
-    ranks = "ranks" if dp == world_size else "data-parallel ranks (N / (tp * pp))"
+    dp = world_size // model_ranks  # the ranks that split the batch (mesh.py)
+    ranks = "ranks" if dp == world_size else "data-parallel ranks (N / (tp * pp * cp))"
+    _require(
+        tc.replicate == 1 or tc.cp == 1,
+        "--replicate (HSDP) groups the data-parallel ranks, and --cp folds its ranks into them:"
+        " use one of --replicate and --cp",
+    )
     _require(
         dp % tc.replicate == 0,
         f"--replicate {tc.replicate} does not divide {dp} {ranks} into equal "
         f"groups: use a divisor of {dp}",
     )
     _require(
-        tc.strategy != "single" or dp == 1,
+        tc.strategy != "single" or dp * tc.cp == 1,
         f"strategy 'single' runs on one rank, but this run has {dp} {ranks}: "
         "use --strategy dp (or zero1/zero2/zero3), or run without mpiexec",
     )

@@ -25,13 +25,13 @@ import numpy as np
 from .comm import Comm
 from .config import ModelConfig
 from .memory import MemoryLedger, placeholder
-from .model import MLP, Embedding, Params
+from .model import Embedding, Model, Params
+from .models import build_model
 from .optim import make_optimizer
 from .pipeline import Stage, pipeline_step
 from .requests import Request
 from .rng import Rng
 from .strategies import make_strategy
-from .tensor import megatron
 
 # train_step's micro-batches between the first and the last repeat one another exactly: three
 # stand for any number (a step of --accum 10^9 is predicted at once, not run 10^9 times).
@@ -102,6 +102,11 @@ class DryComm(Comm):
         self._called("reduce_scatter", full, tag)
         return full[: full.size // self.size] if shard is None else shard
 
+    def reduce_scatter_sum(
+        self, full: np.ndarray, shard: np.ndarray | None, tag: str = ""
+    ) -> np.ndarray:
+        return self.reduce_scatter_mean(full, shard, tag)
+
     def bcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         return buf
 
@@ -127,13 +132,17 @@ class DryComm(Comm):
 
 class DryLayer:
     """A layer's name and shapes, with a forward and backward that hand on placeholders of
-    the shapes the real ones return, and keep the same cache (the layer's input). A split
-    layer (tensor.py) cuts a piece of its shapes from the whole, as the real one does."""
+    the shapes the real ones return, and keep a cache of the real one's bytes (the layer's
+    input, or for a layer that keeps more, its `cache_bytes`). A split layer (tensor.py) cuts
+    a piece of its shapes from the whole, as the real one does."""
 
-    def __init__(self, layer, log: EventLog | None) -> None:
+    def __init__(self, layer, seq_len: int, log: EventLog | None) -> None:
         self.name, self.shapes, self.log = layer.name, layer.shapes, log
         self.whole_shapes, self.split = layer.whole_shapes, layer.split
+        self.layer, self.seq_len, self.cache_is_input = layer, seq_len, layer.cache_is_input
+        self.out_width = layer.out_width
         self.embeds = isinstance(layer, Embedding)
+        self.in_width = 0  # the input's features, for backward's gradient (tokens: 0)
 
     def piece(self, whole: Params) -> Params:
         if not self.split:
@@ -143,16 +152,16 @@ class DryLayer:
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.log is not None and self.shapes:
             self.log.add(COMPUTE, self.name)
-        if self.embeds:  # (B, S) -> (B, S*E)
-            width = x.shape[1] * self.shapes["W"][1]
-        else:  # a Linear's (B, in) -> (B, out); a ReLU keeps its width
-            width = self.shapes["W"][1] if self.shapes else x.shape[1]
-        return placeholder((len(x), width)), x
+        self.in_width = 0 if self.embeds else x.shape[1]
+        out = placeholder((len(x), self.layer.out_width(self.in_width, self.seq_len)))
+        if self.cache_is_input:
+            return out, x
+        return out, placeholder(self.layer.cache_bytes(len(x)), np.uint8)
 
     def backward(self, p: Params, x: np.ndarray, dout: np.ndarray, g: Params) -> np.ndarray | None:
         if self.log is not None and self.shapes:
             self.log.add(COMPUTE, self.name)
-        return None if self.embeds else placeholder(x.shape)  # tokens have no gradient
+        return None if self.embeds else placeholder((len(dout), self.in_width))
 
 
 class DryLoss:
@@ -166,11 +175,12 @@ class DryLoss:
 
 
 class DryModel:
-    """What the loop and the strategies read of an MLP, with layers that compute nothing."""
+    """What the loop and the strategies read of a model, with layers that compute nothing."""
 
-    def __init__(self, model: MLP, log: EventLog | None = None) -> None:
-        dry = {layer.name: DryLayer(layer, log) for layer in model.layers}
+    def __init__(self, model: Model, log: EventLog | None = None) -> None:
+        dry = {layer.name: DryLayer(layer, model.config.seq_len, log) for layer in model.layers}
         self.config, self.block_inputs = model.config, model.block_inputs
+        self.targets = model.targets
         self.layers = [dry[layer.name] for layer in model.layers]
         self.blocks = [[dry[layer.name] for layer in block] for block in model.blocks]
         self.loss = DryLoss()
@@ -223,6 +233,9 @@ def dry_run(
     stage: int = 0,
     micro_batches: int = 1,
     schedule: str = "gpipe",
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_layout: str = "zigzag",
     **options,
 ) -> MemoryLedger:
     """Rank 0's ledger after `strategy` (with its own and the memory options) initialised the
@@ -231,10 +244,14 @@ def dry_run(
     ranks (tensor.py) and `strategy` runs over the N data-parallel ones: every rank's pieces
     have the same shapes (padded), so rank 0's ledger is every rank's. With pp = P, the model
     is pipeline rank `stage`'s Stage and the step pipeline_step's: each of the `accum`
-    micro-batches split in `micro_batches`, run in `schedule`'s order (pipeline.py)."""
-    replicate = options.get("replicate", 1)
+    micro-batches split in `micro_batches`, run in `schedule`'s order (pipeline.py). With
+    cp = C, each of the N holds S/C positions of its rows, and `strategy` runs over N * C."""
+    replicate, n = options.get("replicate", 1), n * cp  # the strategy's ranks: dp and cp's
     comm = DryComm(n, {"shard": n // replicate, "replicate": replicate}, log)
-    model = DryModel(MLP(model_config, megatron(DryComm(tp))), log)
+    model = DryModel(
+        build_model(model_config, DryComm(tp), False, sequence_parallel, DryComm(cp), cp_layout),
+        log,
+    )
     model = Stage(model, pp, stage, DryComm(pp, rank=stage))
     M = micro_batches_to_run(accum * micro_batches, pp, stage, schedule)
     ledger = MemoryLedger(dry=True)
@@ -244,7 +261,7 @@ def dry_run(
     built.init_params(rng=None)
     rows = micro_batch // micro_batches * M
     X = placeholder((rows, model_config.seq_len), np.uint8)
-    Y = placeholder((rows,), np.uint8)
+    Y = model.targets(X, placeholder((rows,), np.uint8))
     if log is not None:  # the step's events from here on
         log.strategy = built
     pipeline_step(model, built, model.pp, X, Y, M, schedule, recompute=recompute)

@@ -1,16 +1,21 @@
 """The process mesh: N ranks as a grid with named dimensions, one communicator along each.
 
-    DIMS = ("pp", "dp", "tp")      slowest- to fastest-changing rank: world rank r is
-                                   tp rank  r % T,  dp rank  (r // T) % D,  pp rank  r // (T * D)
+    DIMS = ("pp", "dp", "cp", "tp")   slowest- to fastest-changing rank: world rank r is
+                                      tp rank r % T, cp rank (r // T) % C,
+                                      dp rank (r // (T * C)) % D, pp rank r // (T * C * D)
 
-D = N / (T * P) is the data-parallel size. The same layout as the C program's 3-D sibling, so
-that rank r holds the same piece in both. Tensor parallelism talks every layer, so its ranks are
-neighbours (on one host when hosts hold T or more ranks); pipeline stages talk least, once per
-micro-batch, so they are farthest apart. A new dimension (context parallelism's cp, experts'
-ep) is one more name in DIMS: every part that reads the mesh (placement.py's norm and replica
-check, checkpoints, the vote on an fp16 overflow) goes over `dims`, never over a fixed list.
-PyTorch's DeviceMesh is the same object (`init_device_mesh("cuda", (pp, dp, tp),
-mesh_dim_names=("pp", "dp", "tp"))`).
+D = N / (T * C * P) is the data-parallel size. Without cp the same layout as the C program's
+3-D sibling, so that rank r holds the same piece in both. Tensor parallelism talks every layer,
+so its ranks are neighbours (on one host when hosts hold T or more ranks); context parallelism
+passes K/V blocks every attention, next; pipeline stages talk least, once per micro-batch, so
+they are farthest apart. A new dimension (experts' ep) is one more name in DIMS: every part that
+reads the mesh (placement.py's norm and replica check, checkpoints, the vote on an fp16
+overflow) goes over `dims`, never over a fixed list. PyTorch's DeviceMesh is the same object
+(`init_device_mesh("cuda", (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))`).
+
+Context parallelism splits each sequence, not the state: the strategy's gradients are partial
+over cp as over dp, so the strategy averages and shards over dp and cp as one dimension,
+`dp_cp` (`flatten`; torchtitan's dp_shard_cp), D * C ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import math
 from .comm import Comm
 from .config import ConfigError
 
-DIMS = ("pp", "dp", "tp")  # slowest to fastest
+DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest
 
 
 class Mesh:
@@ -34,33 +39,34 @@ class Mesh:
         self.coords = {dim: comm.rank for dim, comm in comms.items()}
 
     @classmethod
-    def of(cls, world: Comm, tp: int = 1, pp: int = 1) -> Mesh:
+    def of(cls, world: Comm, tp: int = 1, pp: int = 1, cp: int = 1) -> Mesh:
         """Split world into the grid; every rank of world must call this with the same sizes.
         dp takes the ranks the other dimensions leave."""
-        n = world.size
-        if tp < 1 or pp < 1 or n % (tp * pp):
+        n, others = world.size, tp * pp * cp
+        if min(tp, pp, cp) < 1 or n % others:
             raise ConfigError(
-                f"--tp {tp} --pp {pp} need a multiple of {tp * pp} ranks, but this run has {n}:"
-                f" start {tp * pp * max(1, n // (tp * pp))} ranks, or choose --tp and --pp whose"
-                f" product divides {n}"
+                f"--tp {tp} --pp {pp} --cp {cp} need a multiple of {others} ranks, but this run"
+                f" has {n}: start {others * max(1, n // others)} ranks, or choose --tp, --pp and"
+                f" --cp whose product divides {n}"
             )
-        sizes = {"pp": pp, "dp": n // (tp * pp), "tp": tp}
+        sizes = {"pp": pp, "dp": n // others, "cp": cp, "tp": tp}
         coords, rest = {}, world.rank
         for dim in reversed(DIMS):  # the fastest first
             rest, coords[dim] = divmod(rest, sizes[dim])
-        comms = {}
-        for dim in DIMS:  # ranks that differ only along dim share a Comm: color = the others
-            others = [d for d in DIMS if d != dim]
-            color = 0
-            for d in others:
-                color = color * sizes[d] + coords[d]
-            if sizes[dim] == n:
-                comms[dim] = world  # the only dimension: the world itself, named as before
-            elif sizes[dim] == 1:
-                comms[dim] = Comm(None, world.collectives, world.timeout)
-            else:
-                comms[dim] = world.split(color, coords[dim], dim)
+        comms = {dim: along(world, sizes, coords, (dim,), dim) for dim in DIMS}
         return cls(world, comms)
+
+    def flatten(self, dims: tuple[str, ...], name: str) -> Mesh:
+        """This mesh with adjacent dimensions `dims` seen as one, `name` (DeviceMesh's
+        `mesh[dims]._flatten(name)`): its Comm spans their ranks, row-major as the world's."""
+        merged = along(self.world, self.sizes, self.coords, dims, name)
+        comms = {}
+        for dim, comm in self.comms.items():
+            if dim == dims[0]:
+                comms[name] = merged
+            elif dim not in dims:
+                comms[dim] = comm
+        return Mesh(self.world, comms)
 
     @classmethod
     def alone(cls, dp: Comm) -> Mesh:
@@ -75,6 +81,19 @@ class Mesh:
         for dim, comm in self.comms.items():
             comms |= {"dp_replicate": replicate, "dp_shard": shard} if dim == "dp" else {dim: comm}
         return Mesh(self.world, comms)
+
+    def state_mesh(self) -> Mesh:
+        """The mesh a strategy places its state on. cp splits each sequence, not the state: it
+        is folded into dp (dp_cp, D * C ranks, over which the strategy averages and shards, as
+        torchtitan's dp_shard_cp does), or left out when it is one rank."""
+        if self.sizes.get("cp", 1) == 1:
+            return Mesh(self.world, {dim: comm for dim, comm in self.comms.items() if dim != "cp"})
+        return self.flatten(("dp", "cp"), "dp_cp")
+
+    def data(self) -> Comm:
+        """The ranks that split the batch and over which a strategy runs: dp, or dp and cp
+        flattened (dp_cp) when context parallelism splits each sequence as well."""
+        return self.comms["dp_cp" if "dp_cp" in self.comms else "dp"]
 
     def comm(self, dim: str) -> Comm:
         return self.comms[dim]
@@ -92,8 +111,12 @@ class Mesh:
         return self.comms["pp"]
 
     @property
+    def cp(self) -> Comm:
+        return self.comms["cp"]
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        """The size along each dimension, in DIMS' order: (P, D, T)."""
+        """The size along each dimension, in DIMS' order: (P, D, C, T)."""
         return tuple(self.sizes[dim] for dim in self.dims)
 
     def stage_ranks(self) -> tuple[int, int]:
@@ -104,3 +127,20 @@ class Mesh:
         for d in inner:
             place = place * self.sizes[d] + self.coords[d]
         return math.prod(self.sizes[d] for d in inner), place
+
+
+def along(world: Comm, sizes: dict, coords: dict, dims: tuple[str, ...], name: str) -> Comm:
+    """The Comm of the ranks that differ only along `dims` (the world when they are all of
+    it; no MPI when they are one rank), ranked row-major over dims as the world is."""
+    size = math.prod(sizes[d] for d in dims)
+    if size == world.size:
+        return world  # the only dimension: the world itself, named as before
+    if size == 1:
+        return Comm(None, world.collectives, world.timeout)
+    color = key = 0
+    for d in DIMS:  # ranks share a Comm when they agree on every other dimension
+        if d in dims:
+            key = key * sizes[d] + coords[d]
+        else:
+            color = color * sizes[d] + coords[d]
+    return world.split(color, key, name)

@@ -34,6 +34,22 @@ class Layer:
     whole_shapes: dict[str, tuple[int, ...]]  # the layer's, as single-rank training has it
     placements: dict[str, Placement] = {}  # along tp, by parameter; missing: Replicate()
     tp = None  # the tensor-parallel ranks' Comm of a split layer (tensor.py)
+    init_scale: float  # initial values uniform in [-init_scale, init_scale] (initial)
+    cache_is_input = True  # forward's cache is its input x (--recompute keeps no more)
+
+    def initial(self, key: str, shape: tuple[int, ...], rng: Rng) -> np.ndarray:
+        """The whole parameter's initial float32 values: uniform in [-k, k], as the C
+        program's he_init(k) = 2k*u - k, with k = init_scale."""
+        k = np.float32(self.init_scale)
+        u = rng.uniform(int(np.prod(shape))).reshape(shape)  # float32 in [0, 1]
+        u *= np.float32(2) * k  # in place: the layer's values are its only copy
+        u -= k
+        return u
+
+    def out_width(self, width: int, seq_len: int) -> int:
+        """The features of this layer's output rows, given its input's (`width`; tokens: 0):
+        a layer with W (in, out) gives out (a tensor-parallel piece's own), others keep it."""
+        return self.shapes["W"][1] if "W" in self.shapes else width
 
     def placement(self, key: str) -> Placement:
         return self.placements.get(key, Replicate())
@@ -73,6 +89,9 @@ class Embedding(Layer):
         self.name, self.emb_size = name, emb_size
         self.shapes = self.whole_shapes = {"W": (vocab_size, emb_size)}
         self.init_scale = 1.0 / emb_size  # the C program's he_init(k) with k = 1/emb_size
+
+    def out_width(self, width: int, seq_len: int) -> int:
+        return seq_len * self.emb_size  # tokens (B, S) in, (B, S*E) out
 
     def forward(self, p: Params, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out = p["W"][tokens]  # (B, S) -> (B, S, E)
@@ -147,13 +166,61 @@ class SoftmaxCrossEntropy:
         dlogits /= rows or len(targets)  # the mean over this rank's rows
         return dlogits  # (B, V)
 
+    def next_token_logits(self, logits: np.ndarray) -> np.ndarray:
+        """The logits (rows, V) of the token after each row's context: sampling's."""
+        return logits
+
 
 def plain_linear(i: int, widths: list[int]) -> Linear:
     """The model's i-th Linear (fc{i}, from widths[i-1] to widths[i]), whole."""
     return Linear(f"fc{i}", widths[i - 1], widths[i])
 
 
-class MLP:
+class Model:
+    """What every model gives the loop and the strategies: `layers` in forward order, `blocks`
+    (what --recompute keeps the input of, and pipeline stages are made of), `loss`, `config`,
+    and each layer's initial parameters. MLP here; the transformer in gpt.py."""
+
+    config: ModelConfig
+    layers: list[Layer]
+    blocks: list[list[Layer]]
+    loss: SoftmaxCrossEntropy
+
+    @property
+    def block_inputs(self) -> set[str]:
+        """The first layer of each block: what --recompute keeps the input of."""
+        return {block[0].name for block in self.blocks}
+
+    @property
+    def num_params(self) -> int:
+        """The whole model's parameters (under tensor parallelism too)."""
+        return sum(int(np.prod(s)) for layer in self.layers for s in layer.whole_shapes.values())
+
+    def targets(self, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+        """What the loss compares the logits with, from the dataset's rows (context X, next Y):
+        the next token, one per row."""
+        return Y
+
+    def init_layers(self, rng: Rng, dtype=np.float32) -> Iterator[tuple[Layer, Params]]:
+        """Each whole layer's initial parameters in turn, in the C program's order: one layer at
+        a time (a split layer's piece is `layer.piece` of them).
+
+        A caller that keeps only a shard of each layer still draws every layer, so the random
+        stream is the same at any N.
+        """
+        for layer in self.layers:
+            params = {}
+            for name, shape in layer.whole_shapes.items():
+                params[name] = layer.initial(name, shape, rng).astype(dtype, copy=False)
+            yield layer, params
+
+    def init_params(self, rng: Rng, dtype=np.float32) -> dict[str, Params]:
+        """Every whole layer's initial parameters at once (the reference; strategies use
+        init_layers)."""
+        return {layer.name: params for layer, params in self.init_layers(rng, dtype)}
+
+
+class MLP(Model):
     """embedding -> fc1, ReLU -> (layers - 1) x (Linear, ReLU) -> output Linear.
 
     `linear(i, widths)` makes the i-th Linear: whole by default; tensor.py's megatron(tp) pairs
@@ -179,38 +246,10 @@ class MLP:
             if layer.shapes or not self.blocks:
                 self.blocks.append([])
             self.blocks[-1].append(layer)
-        self.block_inputs = {block[0].name for block in self.blocks}  # what --recompute keeps
-
-    @property
-    def num_params(self) -> int:
-        """The whole model's parameters (under tensor parallelism too)."""
-        return sum(int(np.prod(s)) for layer in self.layers for s in layer.whole_shapes.values())
-
-    def init_layers(self, rng: Rng, dtype=np.float32) -> Iterator[tuple[Layer, Params]]:
-        """Each whole layer's initial parameters in turn, in the C program's order: one layer at
-        a time (a split layer's piece is `layer.piece` of them).
-
-        Uniform in [-k, k] as the C program's he_init(k) = 2k*u - k. A caller that keeps only a
-        shard of each layer still draws every layer, so the random stream is the same at any N.
-        """
-        for layer in self.layers:
-            k = np.float32(layer.init_scale)
-            params = {}
-            for name, shape in layer.whole_shapes.items():
-                u = rng.uniform(int(np.prod(shape))).reshape(shape)  # float32 in [0, 1]
-                u *= np.float32(2) * k  # in place: the layer's values are its only copy
-                u -= k
-                params[name] = u.astype(dtype, copy=False)
-            yield layer, params
-
-    def init_params(self, rng: Rng, dtype=np.float32) -> dict[str, Params]:
-        """Every whole layer's initial parameters at once (the reference; strategies use
-        init_layers)."""
-        return {layer.name: params for layer, params in self.init_layers(rng, dtype)}
 
 
 def loss_and_grads(
-    model: MLP, params: dict[str, Params], X: np.ndarray, Y: np.ndarray
+    model: Model, params: dict[str, Params], X: np.ndarray, Y: np.ndarray
 ) -> tuple[float, dict[str, Params]]:
     """The reference: loss and every gradient of one batch, all parameters in one place."""
     x, caches = X, []

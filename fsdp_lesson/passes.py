@@ -26,16 +26,20 @@ def forward(
     recompute: bool = False,
 ):
     """Run every layer on x; return the logits. With acts, keep what backward will need:
-    every layer's cache, or with recompute only each block's input (the first layer's cache)."""
+    every layer's cache, or with recompute only each block's input."""
     strategy.begin_phase("forward")
     for layer in model.layers:
         WHERE.layer = layer.name  # for a timed-out collective's line (watchdog.py)
         p = strategy.materialize(layer)
+        x_in = x
         x, cache = layer.forward(p, x)
         if acts is not None:
-            acts.push(layer.name, cache)
+            acts.push(layer.name, cache)  # counted while it exists, with recompute too
             if recompute and layer.name not in model.block_inputs:
                 acts.drop()  # backward computes it again from the block's input
+            elif recompute and not layer.cache_is_input:
+                acts.drop()  # a block's whole cache: only its input is kept
+                acts.push(layer.name, x_in)
         strategy.release(layer)
     WHERE.layer = None
     return x
@@ -44,14 +48,24 @@ def forward(
 def recompute_block(strategy: Strategy, block: list, acts: Activations) -> None:
     """Run a block's forward again from its kept input, pushing the caches forward dropped.
 
-    Every layer's cache is its input (model.py), so the kept cache is where to start and each
-    output is the next layer's cache; the last layer's output is not needed. The parameters
-    stay materialized for the backward that follows (zero3: no gather beyond backward's own).
+    A layer whose cache is its input (model.py's) has it kept already, and each output is the
+    next layer's cache, so the last layer's forward is not needed; a layer that keeps more (a
+    transformer block, gpt.py) runs again to make its cache. The parameters stay materialized
+    for the backward that follows (zero3: no gather beyond backward's own).
     """
-    x = acts.top()
-    for layer, following in zip(block[:-1], block[1:], strict=True):
-        x, _ = layer.forward(strategy.materialize(layer), x)
-        acts.push(following.name, x)
+    x = acts.top()  # the block's input
+    last = len(block) - 1
+    for i, layer in enumerate(block):
+        if layer.cache_is_input:
+            if i > 0:
+                acts.push(layer.name, x)  # its cache is its input
+            if i < last:
+                x, _ = layer.forward(strategy.materialize(layer), x)
+        else:
+            if i == 0:
+                acts.drop()  # only the input was kept: the whole cache is made again
+            x, cache = layer.forward(strategy.materialize(layer), x)
+            acts.push(layer.name, cache)
 
 
 def backward(model, strategy: Strategy, acts: Activations, recompute: bool = False):

@@ -26,7 +26,7 @@ import numpy as np
 from .comm import Comm, gather_objects
 from .config import SCHEDULES, ConfigError
 from .memory import Activations
-from .model import MLP, Params, softmax
+from .model import Model, Params, softmax
 from .passes import backward, forward
 from .requests import Sending
 from .rng import Rng
@@ -36,7 +36,7 @@ Op = tuple[str, int]  # ("F" or "B", micro-batch)
 Record = list[tuple[int, str, float, float]]  # (micro-batch, "F" or "B", start, end) per op
 
 
-def stages(model: MLP, P: int) -> list[list[list]]:
+def stages(model: Model, P: int) -> list[list[list]]:
     """Each stage's blocks (a layer with parameters and the ReLU after it), consecutive and by
     count: n blocks over P stages, the first n % P stages one block more. The C program's model
     at P = 3: [emb], [fc1, relu1], [fc2] (+ the loss on the last); at P = 2: [emb, fc1, relu1],
@@ -57,30 +57,21 @@ def stages(model: MLP, P: int) -> list[list[list]]:
     return placed
 
 
-def output_width(layer, width: int, seq_len: int) -> int:
-    """The features of a layer's output, from its input's (0: tokens): the embedding's (the
-    layer that reads tokens) seq_len * E, a layer with W (in, out) its out (a tensor-parallel
-    piece's own), any other (ReLU) unchanged."""
-    if width == 0:  # tokens in: the embedding's W is (V, E), its output (B, seq_len * E)
-        return seq_len * layer.shapes["W"][1]
-    return layer.shapes["W"][1] if "W" in layer.shapes else width
-
-
 class Stage:
     """Stage `index` of P: what a strategy and the loop read of a model (layers, blocks,
     block_inputs, config, loss), holding only this stage's layers, and the widths it receives
     (in_width; 0 on the first stage, which reads tokens) and sends on (out_width). `pp`: the
     pipeline ranks' Comm it trains over (train.run's mesh.pp), for whoever runs it."""
 
-    def __init__(self, model: MLP, P: int, index: int, pp: Comm | None = None) -> None:
+    def __init__(self, model: Model, P: int, index: int, pp: Comm | None = None) -> None:
         self.model, self.index, self.count, self.pp = model, index, P, pp
         self.blocks = stages(model, P)[index]
         self.layers = [layer for block in self.blocks for layer in block]
         self.block_inputs = {block[0].name for block in self.blocks}
-        self.config, self.loss = model.config, model.loss
-        widths = [0]  # widths[i]: the features layer i of the model receives
+        self.config, self.loss, self.targets = model.config, model.loss, model.targets
+        widths = [0]  # widths[i]: the features layer i of the model receives (tokens: 0)
         for layer in model.layers:
-            widths.append(output_width(layer, widths[-1], model.config.seq_len))
+            widths.append(layer.out_width(widths[-1], model.config.seq_len))
         first = model.layers.index(self.layers[0])
         self.in_width, self.out_width = widths[first], widths[first + len(self.layers)]
 
@@ -297,7 +288,7 @@ def pipeline_next_token(
     logits = pipeline_forward(stage, strategy, pp, context)
     token = np.zeros(1, dtype=np.int32)
     if logits is not None:  # walk the probabilities with a running float32 sum: the first >= u
-        probs = softmax(logits)[0]
+        probs = softmax(stage.loss.next_token_logits(logits))[0]
         token[0] = min(np.searchsorted(np.cumsum(probs), u), len(probs) - 1)
     return int(token[0] if pp.size == 1 else pp.bcast(token, root=pp.size - 1)[0])
 

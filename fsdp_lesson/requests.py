@@ -6,6 +6,8 @@
                   Traffic records and Trace; the ring and a one-rank Comm run the blocking call
     Request       a collective in flight: wait() completes it and counts it (Collectives.count)
     Sending       a send in flight: wait() returns once MPI is done with the buffer
+    Receiving     a receive in flight (irecv: ring attention's next K/V block arrives while
+                  this one is computed on): wait() returns once the buffer holds the message
 
 Every wait is watched as a blocking call is (watchdog.py): past the Comm's timeout the job ends
 with a line naming who has not arrived, or for a send or recv the one peer it waits for.
@@ -78,6 +80,15 @@ class NonBlocking(Collectives):
         self.trace.record("comm", f"recv {tag}" if tag else "recv", start)
         return buf
 
+    def irecv(self, buf: np.ndarray, source: int, tag: str = "") -> Receiving:
+        """Start receiving into buf what rank `source` sends (MPI_Irecv); buf holds it once the
+        returned Receiving's wait() returns. Watched there as recv is."""
+        if self.mpi is None:
+            raise ValueError("a one-rank Comm has no other rank to receive from")
+        issued = perf_counter()
+        request = self.mpi.Irecv(on_wire(buf), source, P2P_TAG)
+        return Receiving(self, request, source, buf, tag, issued)
+
 
 class Request:
     """A collective in flight: wait() completes it (dividing for a mean) and counts it.
@@ -130,17 +141,29 @@ class Sending:
     """A send in flight (Comm.send): wait() returns once MPI is done with the buffer. Watched
     as a recv is: past the Comm's timeout the watchdog names the rank that has not received."""
 
+    kind = "send"
+
     def __init__(
-        self, comm: Collectives, request, to: int, buf: np.ndarray, tag: str, issued: float
+        self, comm: Collectives, request, peer: int, buf: np.ndarray, tag: str, issued: float
     ):
-        self.comm, self.request, self.to, self.tag, self.issued = comm, request, to, tag, issued
+        self.comm, self.request, self.peer, self.tag = comm, request, peer, tag
+        self.issued = issued
         self.buf = buf  # kept alive until MPI is done with it
 
     def wait(self) -> None:
         if self.request is None:
             return
         start = perf_counter()
-        self.comm._watched_p2p("send", self.to, self.request.Wait)
+        self.comm._watched_p2p(self.kind, self.peer, self.request.Wait)
         self.request = self.buf = None
-        self.comm.traffic["send"].seconds += perf_counter() - start
-        self.comm.trace.record("comm", f"send {self.tag}" if self.tag else "send", self.issued)
+        if self.kind == "send":  # a receive's wait is for its sender, not traffic (as recv's)
+            self.comm.traffic["send"].seconds += perf_counter() - start
+        what = f"{self.kind} {self.tag}" if self.tag else self.kind
+        self.comm.trace.record("comm", what, self.issued)
+
+
+class Receiving(Sending):
+    """A receive in flight (Comm.irecv): wait() returns once the buffer holds the message;
+    watched as a send is, naming the rank that has not sent."""
+
+    kind = "recv"

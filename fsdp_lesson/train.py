@@ -24,11 +24,12 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .comm import Comm, raise_on_every_rank
-from .config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from .config import ConfigError, ModelConfig, RunConfig, TrainConfig, check_model_options
 from .data import DEFAULT_PATH, DataError, Dataset, GlobalBatchSampler, decode, rank_slice
 from .memory import Activations, MemoryBudgetError, MemoryLedger
 from .mesh import Mesh
-from .model import MLP, Params
+from .model import Model, Params
+from .models import build_model
 from .optim import make_optimizer
 from .passes import backward, forward
 from .pipeline import Stage, gather_stages, pipeline_loss, pipeline_next_token, pipeline_step
@@ -36,12 +37,11 @@ from .placement import differing_replicas
 from .rng import Rng, make_rng
 from .strategies import Strategy, make_strategy, strategy_options
 from .strategies.base import state_regions
-from .tensor import megatron
 from .watchdog import WHERE, in_phase
 
 
 def train_step(
-    model: MLP,
+    model: Model,
     strategy: Strategy,
     X: np.ndarray,
     Y: np.ndarray,
@@ -73,8 +73,10 @@ def train_step(
 def training_step(stage: Stage, strategy: Strategy, X: np.ndarray, Y: np.ndarray, tc: TrainConfig):
     """One optimizer step on this rank's rows: its stage's part of the pipeline's schedule
     (with one stage, train_step's forward and backward of each micro-batch); this rank's loss."""
-    M = tc.accum * tc.micro_batches
-    return pipeline_step(stage, strategy, stage.pp, X, Y, M, tc.schedule, recompute=tc.recompute)
+    M, targets = tc.accum * tc.micro_batches, stage.targets(X, Y)
+    return pipeline_step(
+        stage, strategy, stage.pp, X, targets, M, tc.schedule, recompute=tc.recompute
+    )
 
 
 def whole_params(strategy: Strategy) -> dict[str, Params]:
@@ -87,14 +89,16 @@ def whole_params(strategy: Strategy) -> dict[str, Params]:
 def evaluate(
     stage: Stage, strategy: Strategy, data: Dataset, rng: Rng, batch_size: int, n_batches: int
 ) -> float:
-    """Mean loss over n_batches global batches of the test split (every rank its slice; the
-    last stage's loss, told to every stage)."""
-    comm, sampler = strategy.comm, GlobalBatchSampler(data.X_test, data.Y_test, batch_size, rng)
+    """Mean loss over n_batches global batches of the test split (every data-parallel rank its
+    slice; the last stage's loss, told to every stage; averaged over dp and cp)."""
+    dp, sampler = strategy.mesh.dp, GlobalBatchSampler(data.X_test, data.Y_test, batch_size, rng)
     total = 0.0
     for _ in range(n_batches):
         X, Y = sampler.next()
-        x, y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
-        total += comm.mean_scalar(pipeline_loss(stage, strategy, stage.pp, x, y))
+        x, y = rank_slice(X, dp.rank, dp.size), rank_slice(Y, dp.rank, dp.size)
+        total += strategy.comm.mean_scalar(
+            pipeline_loss(stage, strategy, stage.pp, x, stage.targets(x, y))
+        )
     return total / n_batches
 
 
@@ -243,12 +247,15 @@ def run(
     settings = comm.allgather_objects((asdict(model_config), tc.to_dict()))
     if any(other != settings[0] for other in settings):  # every rank sees the same list
         raise ConfigError("the ranks were started with different settings: give all the same flags")
-    # tensor parallelism splits the model over mesh.tp, a pipeline gives each of mesh.pp's
-    # ranks a stage of its layers, and the strategy, given the mesh, runs over mesh.dp
-    mesh = Mesh.of(comm, tc.tp, tc.pp)
+    # tensor parallelism splits the model over mesh.tp, context parallelism its sequences over
+    # mesh.cp, a pipeline gives each of mesh.pp's ranks a stage of its layers, and the
+    # strategy, given the mesh, runs over mesh.dp (and mesh.cp's ranks with them)
+    mesh = Mesh.of(comm, tc.tp, tc.pp, tc.cp)
     rng = make_rng(tc.seed, tc.c_compat)
     # this rank's stage of the model (P = 1: all of it), its Linears split over mesh.tp
-    model = MLP(model_config, megatron(mesh.tp, tc.c_compat))
+    model = build_model(
+        model_config, mesh.tp, tc.c_compat, tc.sequence_parallel, mesh.cp, tc.cp_layout
+    )
     model = Stage(model, tc.pp, mesh.pp.rank, mesh.pp)
     budget = None if tc.memory_budget_mb is None else int(tc.memory_budget_mb * 2**20)
     ledger = MemoryLedger(rank=comm.rank, budget_bytes=budget)
@@ -280,6 +287,7 @@ def prepare(
     """Every refusal a rank can reach before anything is allocated, then the data."""
     tc.validate(comm.size)
     model_config.validate()
+    check_model_options(model_config, tc)
     check_model_fits(model_config, comm.size, tc.memory_budget_mb)  # before any dry run
     rc.validate()
     if rc.resume is None and rc.checkpoint_dir is not None and not rc.overwrite:
@@ -345,14 +353,15 @@ def train_loop(
 ) -> None:
     """Steps first_step .. steps - 1: train_step on this rank's slice of each global batch,
     the global loss, what the run records of a step, and checkpoints."""
-    comm, ledger = strategy.comm, strategy.ledger
+    comm, ledger = strategy.comm, strategy.ledger  # comm: dp's ranks (and cp's with them)
+    dp = strategy.mesh.dp  # the ranks that split the batch (cp's ranks share their rows)
     # a step takes accum global batches of tc.batch rows: as one batch of tc.batch * accum
     sampler = GlobalBatchSampler(data.X_train, data.Y_train, tc.batch * tc.accum, rng)
     # overflow and log(0) are expected when training diverges: the loss check below says so
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for step in range(first_step, tc.steps):
             WHERE.step, start = step, time.perf_counter()
-            X, Y = sampler.next_slice(comm.rank, comm.size)  # rank_slice of the global batch
+            X, Y = sampler.next_slice(dp.rank, dp.size)  # rank_slice of the global batch
             if step == rc.timeline_step:
                 ledger.timeline = [("start", ledger.live_total)]
             if step == rc.trace_step:  # the collectives' spans, and zero3's units' compute

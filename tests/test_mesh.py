@@ -1,6 +1,7 @@
 """The process mesh (fsdp_lesson/mesh.py) under real `mpiexec`: every rank's place in the
-(pp, dp, tp) grid is the C 3-D program's, each communicator joins the ranks it should, and the
-CLI's meshes (--tp, --pp, both) train single-rank training's model; what they refuse."""
+(pp, dp, cp, tp) grid is the C 3-D program's (cp between dp and tp), each communicator joins
+the ranks it should, and the CLI's meshes (--tp, --pp, both) train single-rank training's
+model; what they refuse."""
 
 import json
 import sys
@@ -19,59 +20,70 @@ from fsdp_lesson.data import Dataset  # noqa: E402
 from fsdp_lesson.mesh import Mesh  # noqa: E402
 from fsdp_lesson.train import run  # noqa: E402
 
-# for every (tp, pp), each rank's rank along each dimension and the world ranks there, on rank 0
-PLACES = """
+# for every (tp, pp, cp), each rank's rank along each dimension (and along dp and cp flattened,
+# the strategy's) and the world ranks there, on rank 0
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 1, 2), (2, 1, 2)]
+MESHES += [(1, 2, 2), (1, 1, 4)]
+PLACES = f"""
 import json
 import numpy as np
 from fsdp_lesson.comm import Comm
 from fsdp_lesson.mesh import Mesh
 world = Comm.world()
-places = {}
-for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]:
-    mesh = Mesh.of(world, tp, pp)
-    place = {}
-    for dim in ("tp", "dp", "pp"):
-        comm = getattr(mesh, dim)
+places = {{}}
+for tp, pp, cp in {MESHES}:
+    mesh = Mesh.of(world, tp, pp, cp)
+    place = {{}}
+    for dim, comm in [*mesh.comms.items(), ("dp_cp", mesh.state_mesh().data())]:
         members = np.zeros(comm.size)
         comm.allgather(np.array([float(world.rank)]), members)
         place[dim] = [comm.rank, [int(m) for m in members]]
-    places[f"{tp},{pp}"] = place
+    places[f"{{tp}},{{pp}},{{cp}}"] = place
 everyone = world.allgather_objects(places)  # one line from rank 0: prints never interleave
 if world.rank == 0:
     print(json.dumps(everyone))
 """
 
 
+def along(rank: int, sizes: dict[str, int], dims: tuple[str, ...]) -> list:
+    """Where world rank `rank` sits along dims (row-major over the grid, tp fastest, then cp,
+    dp and pp), and the world ranks that differ from it only there, in their order."""
+    shape = tuple(sizes.values())
+    coords = dict(zip(sizes, np.unravel_index(rank, shape), strict=True))
+    members = []
+    for i in range(int(np.prod([sizes[d] for d in dims]))):
+        mine = dict(coords) | dict(
+            zip(dims, np.unravel_index(i, [sizes[d] for d in dims]), strict=True)
+        )
+        members.append(int(np.ravel_multi_index([mine[d] for d in sizes], shape)))
+    return [members.index(rank), members]
+
+
 @pytest.mark.mpi
 def test_every_rank_sits_where_the_c_program_puts_it():
+    """Without cp, the C 3-D program's places; cp sits between dp and tp."""
     result = mpiexec(4, "-c", PLACES, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     everyone = json.loads(result.stdout)
     assert len(everyone) == 4
     for r, places in enumerate(everyone):
         for key, place in places.items():
-            tp, pp = map(int, key.split(","))
-            dp = 4 // (tp * pp)
-            stage = r // (tp * dp) * tp * dp  # the first world rank of r's stage
-            expected = {  # tp fastest, then dp, then pp; each group in its own rank order
-                "tp": [r % tp, [r - r % tp + i for i in range(tp)]],
-                "dp": [
-                    (r // tp) % dp,
-                    [stage + i * tp + r % tp for i in range(dp)],
-                ],
-                "pp": [r // (tp * dp), [i * tp * dp + r % (tp * dp) for i in range(pp)]],
-            }
-            assert place == expected, f"rank {r}, tp {tp}, pp {pp}"
+            tp, pp, cp = map(int, key.split(","))
+            sizes = {"pp": pp, "dp": 4 // (tp * pp * cp), "cp": cp, "tp": tp}
+            expected = {dim: along(r, sizes, (dim,)) for dim in sizes}
+            expected["dp_cp"] = along(r, sizes, ("dp", "cp"))
+            assert place == expected, f"rank {r}, tp {tp}, pp {pp}, cp {cp}"
 
 
 def test_one_rank_is_a_mesh_of_ones():
     mesh = Mesh.of(Comm())
-    assert mesh.shape == (1, 1, 1)
-    assert mesh.tp is mesh.dp is mesh.pp is mesh.world
+    assert mesh.shape == (1, 1, 1, 1)
+    assert mesh.tp is mesh.dp is mesh.pp is mesh.cp is mesh.world
+    assert mesh.state_mesh().dims == ("pp", "dp", "tp")  # cp of one rank places nothing
 
 
 def test_a_mesh_that_does_not_divide_the_ranks_is_refused():
-    with pytest.raises(ConfigError, match="--tp 2 --pp 1 need a multiple of 2 ranks"):
+    with pytest.raises(ConfigError, match="--tp 2 --pp 1 --cp 1 need a multiple of 2 ranks"):
         Mesh.of(Comm(), tp=2)
 
 

@@ -55,9 +55,11 @@ def test_replicas_multiply_the_replicated_dimensions_only():
 
 def test_a_comm_alone_is_a_mesh_of_data_parallel_ranks():
     mesh = Mesh.alone(Comm())
-    assert mesh.dims == DIMS and mesh.shape == (1, 1, 1) and mesh.dp.size == 1
+    assert mesh.dims == DIMS and mesh.shape == (1, 1, 1, 1) and mesh.dp.size == 1
     assert mesh.stage_ranks() == (1, 0)
-    split = mesh.split_dp(Comm(), Comm())
+    state = mesh.state_mesh()  # the strategy's: cp (here one rank) places no state
+    assert state.dims == ("pp", "dp", "tp")
+    split = state.split_dp(Comm(), Comm())
     assert split.dims == ("pp", "dp_replicate", "dp_shard", "tp") and split.world is mesh.world
 
 

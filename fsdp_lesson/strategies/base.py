@@ -46,10 +46,11 @@ def drawn_bytes(layer, whole: Params, piece: Params) -> int:
 def placements(strategy: Strategy, sharded: bool, tp: Placement) -> dict[str, Placement]:
     """An array's placement along every dimension of the strategy's state mesh: a stage holds
     its own layers (pp), the sharding table says dp's, the layer tp's; a dimension that splits
-    the data but not the state (HSDP's replicas; context parallelism's) replicates it."""
+    the data but not the state (HSDP's replicas) replicates it. Context parallelism's ranks are
+    dp's too (dp_cp: mesh.state_mesh)."""
     stage = OnStage(strategy.state_mesh.coords["pp"])
     along = {"pp": stage, "tp": tp, "dp": Shard(0) if sharded else Replicate()}
-    along["dp_shard"] = along["dp"]
+    along["dp_shard"] = along["dp_cp"] = along["dp"]
     return {dim: along.get(dim, Replicate()) for dim in strategy.state_mesh.dims}
 
 
@@ -120,11 +121,13 @@ class Strategy:
         accum_reduce: str = "every",
         clip_grad_norm: float | None = None,
     ) -> None:
-        # the run's mesh (a Comm alone: a mesh of data-parallel ranks); the strategy runs over dp
+        # the run's mesh (a Comm alone: a mesh of data-parallel ranks); the strategy runs over
+        # the ranks that split the batch: dp, and cp's with it (mesh.state_mesh)
         self.mesh = comm if isinstance(comm, Mesh) else Mesh.alone(comm)
-        self.model, self.optimizer, self.comm, self.ledger = model, optimizer, self.mesh.dp, ledger
+        self.state_mesh = self.mesh.state_mesh()  # where the state is placed (HSDP: dp cut in two)
+        self.model, self.optimizer, self.ledger = model, optimizer, ledger
+        self.comm = self.state_mesh.data()
         self.shard_comm = self.comm  # the ranks a sharded array is split over (HSDP: a group)
-        self.state_mesh = self.mesh  # the mesh the state is placed on (HSDP: dp cut in two)
         self.regions: dict[tuple, list[Region]] = {}  # state_regions' answers
         n = self.comm.size
         self.layout = {layer.name: FlatParam(layer.shapes, n) for layer in model.layers}

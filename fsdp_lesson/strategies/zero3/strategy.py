@@ -80,7 +80,7 @@ class ZeRO3(Strategy):
                 shard_color, replica_color = dp.rank % replicate, dp.rank // replicate
             self.shard_comm = dp.split(shard_color, dp.rank, "shard")
             self.replica_comm = dp.split(replica_color, dp.rank, "replicate")
-            self.state_mesh = self.mesh.split_dp(self.replica_comm, self.shard_comm)
+            self.state_mesh = self.state_mesh.split_dp(self.replica_comm, self.shard_comm)
         self.units = make_units(model.layers, layers_per_unit, self.shard_comm.size)
         self.unit_of = {layer: unit for unit in self.units for layer in unit.layers}
         self.schedule = Schedule(self.units)
