@@ -4,19 +4,34 @@ guide quotes are the lines the checkers print, taken from real runs of wrong ans
 
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from test_exercises import numel, wrong_attention  # notebook 14's usual wrong answers
 
 from fsdp_lesson import checks
 from fsdp_lesson.config import ModelConfig
-from fsdp_lesson.exercises import data_parallel, transformer, zero3, zero12
+from fsdp_lesson.exercises import (
+    checkpoints,
+    communication,
+    data_parallel,
+    dataset,
+    fsdp_practice,
+    memory,
+    pipeline,
+    single_rank,
+    transformer,
+    zero3,
+    zero12,
+)
 from fsdp_lesson.flat import FlatParam
 from fsdp_lesson.model import MLP
+from fsdp_lesson.pipeline import schedule_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = (ROOT / "docs" / "teaching.md").read_text()
@@ -104,10 +119,12 @@ def test_every_quoted_message_names_a_checker_that_exists():
 
 
 def printed(capsys, call) -> str:
-    """The line a checker prints for a wrong answer, as the guide quotes it (its hint, after
-    ' — ', is left out)."""
+    """The first ✗ line a checker prints for a wrong answer (after the ✓ of the parts that are
+    right), as the guide quotes it: its hint, after ' — ', left out."""
     call()
-    return capsys.readouterr().out.strip().splitlines()[0].split(" — ")[0]
+    wrong = [line for line in capsys.readouterr().out.splitlines() if line.startswith("✗")]
+    assert wrong, "the wrong answer passed"
+    return wrong[0].split(" — ")[0]
 
 
 def quoted(number: str) -> set[str]:
@@ -120,17 +137,70 @@ def right_gather(config, n):
     return 2 * 4 * max(FlatParam(layer.shapes, n).padded_numel for layer in MLP(config).layers)
 
 
+def count_params_without_biases(V, S, E, H):
+    return V * E + S * E * H + H * V
+
+
+def next_unit_without_ends(u, backward, count):
+    return u - 1 if backward else u + 1
+
+
+def smallest_n(stage, psi, gpu, rounding=math.ceil, whole_for_dp=False):
+    """Exercise 07-3's key, or one of its two usual mistakes (rounding down; a finite N for dp)."""
+    unsharded = {"dp": 16, "zero1": 4, "zero2": 2, "zero3": 0}[stage] * psi
+    if unsharded > gpu and not whole_for_dp:
+        return math.inf
+    if unsharded == 16 * psi:
+        return 1
+    return max(1, rounding((16 * psi - unsharded) / (gpu - unsharded)))
+
+
+def hiding_batch(stage, n, flops, bandwidth, element_bytes=2, zero3_collectives=3):
+    """Exercise 08-2's key, with 4-byte elements or zero3's third collective forgotten."""
+    k = zero3_collectives if stage == "zero3" else 2
+    return k * (n - 1) / n * element_bytes * flops / (6 * bandwidth)
+
+
+def ring_call_seconds_without_the_allreduce_factor(line, kind, n, calls, buffer_bytes):
+    return line["alpha_s"] * (n - 1) * calls + line["beta_s_per_byte"] * (n - 1) / n * buffer_bytes
+
+
+def one_report(calls=3, buffer_bytes=4000, n=4):
+    """One rank's traffic report at N = n, as commbench.predict_seconds reads it."""
+    return {
+        kind: {
+            "calls": calls,
+            "buffer_bytes": buffer_bytes,
+            "messages": (2 if kind == "allreduce" else 1) * (n - 1) * calls,
+            "sent_bytes": (2 if kind == "allreduce" else 1) * (n - 1) / n * buffer_bytes,
+        }
+        for kind in communication.KINDS
+    }
+
+
+FC1 = FlatParam(next(layer for layer in MLP(ModelConfig()).layers if layer.name == "fc1").shapes, 3)
+FLOOR = FC1.numel // 3  # the shard size rounded down: exercise 09-2's usual mistake
+
+
+def warmup_of(P, s, M, warmup):
+    """One stage's ops with `warmup` forwards first, then 1F1B's steady state and cool-down."""
+    ops = [("F", m) for m in range(warmup)]
+    for m in range(M - warmup):
+        ops += [("F", warmup + m), ("B", m)]
+    return ops + [("B", m) for m in range(max(0, M - warmup), M)]
+
+
 PSI = MLP(ModelConfig()).num_params
 LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
     "03": [
         lambda: data_parallel.check_dp_traffic(
-            lambda n, psi: 2 * (n - 1) / n * 4 * psi, PSI, data_parallel.dp_bytes_per_step(4, PSI)
+            lambda n, psi: 2 * (n - 1) / n * 4 * psi, data_parallel.dp_bytes_per_step(4, PSI)
         ),
         lambda: data_parallel.check_dp_traffic(
-            lambda n, psi: (n - 1) / n * (4 * psi + 8), PSI, data_parallel.dp_bytes_per_step(4, PSI)
+            lambda n, psi: (n - 1) / n * (4 * psi + 8), data_parallel.dp_bytes_per_step(4, PSI)
         ),
         lambda: data_parallel.check_dp_traffic(
-            lambda n, psi: 2 * (n - 1) * (4 * psi + 8), PSI, data_parallel.dp_bytes_per_step(4, PSI)
+            lambda n, psi: 2 * (n - 1) * (4 * psi + 8), data_parallel.dp_bytes_per_step(4, PSI)
         ),
     ],
     "04": [
@@ -153,6 +223,62 @@ LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
         lambda: zero3.check_zero3_saving(
             lambda psi_pad, largest, n: 4 * psi_pad * (n - 1) / n - 8 * largest
         ),  # fmt: skip
+    ],
+    "01": [
+        lambda: dataset.check_n_rows(lambda L: L),
+        lambda: dataset.check_rows_of_rank([b for b in range(32) if b // 4 == 2]),
+        lambda: dataset.check_rows_of_rank([b for b in range(32) if b % 8 == 3]),
+    ],
+    "02": [
+        lambda: single_rank.check_count_params(count_params_without_biases),
+        lambda: single_rank.check_relu_backward(lambda x, dout: np.maximum(dout, 0)),
+    ],
+    "06": [  # exercise 1's table is checked before anything runs on the ranks
+        lambda: fsdp_practice.check_prefetch_order(
+            None, next_unit_without_ends, ModelConfig(layers=4, hidden=256), None
+        ),
+        lambda: fsdp_practice.check_prefetch_order(
+            None,
+            lambda u, backward, count: u + 1 if u + 1 < count else None,
+            ModelConfig(layers=4, hidden=256),
+            None,
+        ),
+    ],
+    "07": [
+        lambda: memory.check_smallest_n_70b(math.ceil(16 * 70e9 / 40e9)),
+        lambda: memory.check_smallest_n_70b(math.floor(16 * 70e9 / memory.GPU_40)),
+        lambda: memory.check_smallest_n(lambda *case: smallest_n(*case, rounding=math.floor)),
+        lambda: memory.check_smallest_n(lambda *case: smallest_n(*case, whole_for_dp=True)),
+    ],
+    "08": [
+        lambda: communication.check_hiding_batch(
+            lambda *case: hiding_batch(*case, zero3_collectives=2)
+        ),
+        lambda: communication.check_hiding_batch(
+            lambda *case: hiding_batch(*case, element_bytes=4)
+        ),
+        lambda: communication.check_ring_call_seconds(
+            ring_call_seconds_without_the_allreduce_factor,
+            {("seed", 4, "dp"): [one_report()]},
+            {"alpha_s": 10e-6, "beta_s_per_byte": 1e-9},
+        ),
+    ],
+    "09": [
+        lambda: checkpoints.check_rank_1_of_3(
+            (FLOOR, 2 * FLOOR), FC1.numel - 3 * FLOOR, ModelConfig()
+        ),
+        lambda: checkpoints.check_rank_1_of_3(
+            FC1.shard_range(1), FC1.numel - 3 * FLOOR, ModelConfig()
+        ),
+        lambda: checkpoints.check_rank_1_of_3(
+            (FC1.shard_range(1)[0], FC1.shard_range(1)[1] - 1), FC1.padding, ModelConfig()
+        ),
+        lambda: checkpoints.check_rank_1_of_3(FC1.shard_range(1), -FC1.padding, ModelConfig()),
+    ],
+    "12": [
+        lambda: pipeline.check_1f1b(lambda P, s, M: schedule_ops("gpipe", P, s, M)),
+        lambda: pipeline.check_1f1b(lambda P, s, M: warmup_of(P, s, M, P - s)),
+        lambda: pipeline.check_1f1b(lambda P, s, M: warmup_of(P, s, M, P - s - 1)),
     ],
     "14": [
         lambda: transformer.check_causal_attention(wrong_attention(masked=False)),
@@ -180,6 +306,20 @@ def test_the_guide_quotes_what_the_checkers_print(number, capsys, student):
         assert line in guide, f"teaching.md {number} should quote {line!r} (what it prints)"
 
 
+def test_the_guide_quotes_a_converted_shard_as_the_checker_words_it():
+    """09-1's float16 answer gets one line for all its arrays; a real dp at N = 1 gives it (a
+    rank's keys and dtypes are the same at every N)."""
+    from fsdp_lesson.checkpoint import owned_shards
+
+    def converted(strategy):
+        return {key: array.astype(np.float16) for key, array in owned_shards(strategy).items()}
+
+    (line,) = checkpoints.owned_shards_verdict("dp", converted)
+    assert f"dp rank 0: {line}" in " ".join(sections()["09"].split()), (
+        f"teaching.md 09 should quote 'dp rank 0: {line}' (what the checker prints)"
+    )
+
+
 # On the cluster: the exercises whose functions run on the engines. Each wrong answer is
 # defined there as a learner's %%px cell would define it.
 SETUP_03 = """
@@ -196,6 +336,23 @@ params = model.init_params(rng)
 X, Y = GlobalBatchSampler(Dataset.load().X_train, Dataset.load().Y_train, 32, rng).next()
 loss, grads = loss_and_grads(model, params, rank_slice(X, rank, size), rank_slice(Y, rank, size))
 """
+
+
+def hsdp_groups(strided_shards=False, strided_replicas=True):
+    """Exercise 06-3's answer, with its shard or replicate groups strided or consecutive."""
+
+    def groups(n, replicate, strided):
+        g = n // replicate
+        if strided:
+            return [list(range(first, n, g)) for first in range(g)]
+        return [list(range(start, start + g)) for start in range(0, n, g)]
+
+    return lambda n, r: (groups(n, r, strided_shards), groups(n, r, strided_replicas))
+
+
+CLIP = """def clip_factor(grad_shards, comm, max_norm):
+    squares = sum(float(np.dot(g.astype(np.float64), g)) for g in grad_shards.values())
+    return min(1.0, max_norm / ({norm} + 1e-6))"""
 CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
     "03": [
         ("def allreduce_mean(comm, buf):\n    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)\n"
@@ -224,6 +381,17 @@ CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
          "    full = full_grad[: flat.padded_numel]\n    full[flat.numel :] = 0\n"
          "    comm.Reduce_scatter_block(full, grad_shard, op=MPI.SUM)\n    return grad_shard",
          zero12.check_reduce_grads),
+    ],
+    "06": [  # exercise 4's three usual clippings, each named
+        (CLIP.format(norm="np.sqrt(squares)"), fsdp_practice.check_clip_factor),
+        (CLIP.format(norm="np.sqrt(comm.mean_scalar(squares))"), fsdp_practice.check_clip_factor),
+        (CLIP.format(norm="comm.mean_scalar(float(np.sqrt(squares)))"),
+         fsdp_practice.check_clip_factor),
+        # exercise 3's groups: strided shard groups, then consecutive replicate groups too
+        ("", lambda ranks: fsdp_practice.check_groups(ranks, hsdp_groups(strided_shards=True),
+                                                      ModelConfig(layers=4, hidden=256))),
+        ("", lambda ranks: fsdp_practice.check_groups(ranks, hsdp_groups(strided_replicas=False),
+                                                      ModelConfig(layers=4, hidden=256))),
     ],
 }  # fmt: skip
 

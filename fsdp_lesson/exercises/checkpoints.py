@@ -1,7 +1,7 @@
-"""Notebook 09's checkers: a rank's owned shards (exercise 1) and the bytes of a rank's file
-(exercise 3). The expected values are the package's own (`owned_shards`, FlatParam's shard
-sizes, the files written); a wrong answer is described (which array, its dtype, how it
-differs), never shown."""
+"""Notebook 09's checkers: a rank's owned shards (exercise 1), whose elements at N = 3
+(exercise 2) and the bytes of a rank's file (exercise 3). The expected values are the
+package's own (`owned_shards`, FlatParam's shard sizes, the files written); a wrong answer is
+described (which array, its dtype, how it differs), never shown."""
 
 from __future__ import annotations
 
@@ -82,6 +82,23 @@ def check_owned_shards(ranks, my_owned_shards: Callable) -> bool:
         return fail("  (my_owned_shards: see the lines above)")
     print("✓ my_owned_shards: correct — dp, zero1, zero2 and zero3, every rank, every array")
     return True
+
+
+def check_rank_1_of_3(rank_1: tuple, padding: int, model_config) -> bool:
+    """Exercise 2: the (start, stop) of fc1's padded vector that rank 1 of 3 owns, and the
+    padding of that vector, against FlatParam of model_config's fc1 at N = 3."""
+    from fsdp_lesson.model import MLP
+
+    fc1 = next(layer for layer in MLP(model_config).layers if layer.name == "fc1")
+    f = FlatParam(fc1.shapes, 3)
+    owned = check(
+        "fc1_rank_1_of_3",
+        rank_1,
+        f.shard_range(1),
+        hint="S = ceil(numel / N); rank r owns [r·S, (r+1)·S)",
+    )
+    padded = check("fc1_padding_at_3", padding, f.padding, hint="N·S − numel")
+    return owned and padded
 
 
 def file_array_bytes(path: Path) -> int:

@@ -1,12 +1,16 @@
-"""Notebook 08's checker of exercise 2, the batch that hides a stage's communication: the
-expected batch comes from `plan.step_seconds` here, so the learner's cell shows only the call."""
+"""Notebook 08's checkers: the bytes per step by collective (exercise 1, expected from what
+`Comm` counts on the engines), the batch that hides a stage's communication (exercise 2,
+expected from `plan.step_seconds`), the allgather calls per step (exercise 3, counted on the
+engines) and a collective's time from α and β (exercise 4, expected from
+`commbench.predict_seconds`), computed here, so the learner's cell shows only the call."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-from fsdp_lesson import plan
-from fsdp_lesson.checks import check
+from fsdp_lesson import commbench, plan
+from fsdp_lesson.checks import check, fail, how_wrong
 
 PSI = 1e9  # any Ψ: the batch does not depend on it
 
@@ -14,6 +18,71 @@ PSI = 1e9  # any Ψ: the batch does not depend on it
 def batch_that_hides(stage: str, n: int, flops: float, bandwidth: float) -> float:
     """The batch per GPU at which 6·b·Ψ / flops equals plan.step_seconds (2-byte elements)."""
     return plan.step_seconds(stage, PSI, n, bandwidth) * flops / (6 * PSI)
+
+
+def check_traffic(ranks, traffic_per_step: Callable) -> bool:
+    """Exercise 1: traffic_per_step(strategy, layer_sizes, n) for every strategy of
+    `bench.STRATEGIES` on a model the notebook does not show, against every rank's `Comm` count
+    per kind over two Adam steps (the logged loss's allreduce taken out); one line per
+    strategy, rank and kind that differs."""
+    from fsdp_lesson.bench import STRATEGIES
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.config import ModelConfig, TrainConfig
+
+    config, k, steps = ModelConfig(layers=2, hidden=50, emb=10), ranks.n, 2
+    sizes = plan.layer_sizes(config)
+    loss = 2 * (k - 1) / k * 8  # the logged loss's float64 allreduce, per step
+    wrong = []
+    for strategy in STRATEGIES:
+        yours = traffic_per_step(strategy, sizes, k)
+        if yours is None:
+            return check("traffic_per_step", None, None)  # the placeholder: "not solved yet"
+        train = TrainConfig(
+            strategy=strategy, optimizer="adam", steps=steps, eval_batches=0, samples=0
+        )
+        for r, result in enumerate(ranks.run(run_on_engine, config, train, timeout=120)):
+            for kind in ("allreduce", "allgather", "reduce_scatter"):
+                counted = result["traffic"].get(kind, {}).get("sent_bytes", 0.0) / steps
+                counted -= loss if kind == "allreduce" else 0
+                if not math.isclose(yours.get(kind, 0.0), counted, rel_tol=1e-9, abs_tol=1e-6):
+                    wrong.append(
+                        f"  {strategy} rank {r} {kind}: {how_wrong(yours.get(kind, 0.0), counted)}"
+                    )
+    if wrong:
+        print("✗ traffic_per_step differs from what Comm counted:", *wrong[:8], sep="\n")
+        return fail("  (traffic_per_step: see the lines above)")
+    print("✓ traffic_per_step: correct — every kind on every rank, as Comm counted")
+    return True
+
+
+def check_allgather_calls(ranks, allgather_calls, model_config) -> bool:
+    """Exercise 3: (zero3's, zero2's) allgather calls per step for model_config, against the
+    calls every rank's `Comm` counts in one Adam step of each."""
+    from dataclasses import replace
+
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.config import TrainConfig
+
+    one_step = TrainConfig(optimizer="adam", steps=1, eval_batches=0, samples=0)
+    counted = [
+        [
+            result["traffic"]["allgather"]["calls"]
+            for result in ranks.run(
+                run_on_engine, model_config, replace(one_step, strategy=s), timeout=120
+            )
+        ]
+        for s in ("zero3", "zero2")
+    ]
+    if any(len(set(calls)) != 1 for calls in counted):  # every rank makes the same calls
+        raise RuntimeError(
+            "the ranks made different allgather calls in one step: a bug of the package"
+        )
+    return check(
+        "allgather calls (zero3, zero2)",
+        allgather_calls,
+        (counted[0][0], counted[1][0]),
+        hint="one allgather per layer with parameters: zero3 in forward and again in backward",
+    )
 
 
 def check_hiding_batch(hiding_batch: Callable) -> bool:
@@ -32,6 +101,35 @@ def check_hiding_batch(hiding_batch: Callable) -> bool:
             atol=1e-6,
             hint="set the compute time equal to the communication time and solve for"
             " the batch; count the bytes of each collective of the stage",
+        ):
+            return False
+    return True
+
+
+KINDS = ("allreduce", "allgather", "reduce_scatter")
+
+
+def check_ring_call_seconds(ring_call_seconds: Callable, runs: dict, line: dict) -> bool:
+    """Exercise 4: ring_call_seconds(line, kind, n, calls, buffer_bytes) for the calls and
+    buffer bytes of every kind on every rank of `runs` ((model, N, strategy) -> the ranks'
+    traffic reports), against `commbench.predict_seconds` of the same reports with `line`;
+    one verdict per kind, so that it names the kind that is wrong."""
+    yours: dict[str, list] = {kind: [] for kind in KINDS}
+    expected: dict[str, list] = {kind: [] for kind in KINDS}
+    for (_, n, _), reports in runs.items():
+        for report in reports:
+            predicted = commbench.predict_seconds(report, dict.fromkeys(KINDS, line))
+            for kind in KINDS:
+                t = report[kind]
+                yours[kind].append(ring_call_seconds(line, kind, n, t["calls"], t["buffer_bytes"]))
+                expected[kind].append(predicted[kind])
+    for kind in KINDS:
+        if not check(
+            f"ring_call_seconds ({kind})",
+            yours[kind],
+            expected[kind],
+            atol=1e-12,
+            hint="per call N-1 messages of F/N bytes; an allreduce sends twice that",
         ):
             return False
     return True

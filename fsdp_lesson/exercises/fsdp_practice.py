@@ -1,8 +1,11 @@
-"""Notebook 06's checkers: the HSDP groups (exercise 3) and clipping under sharding (exercise 4).
+"""Notebook 06's checkers: the prefetch order (exercise 1), zero3's bytes per step (exercise
+2), the HSDP groups (exercise 3) and clipping under sharding (exercise 4).
 
-Each runs the real strategy on the engines, computes the expected answer there, and says which
-mistake an answer makes (a group that is not its communicator's; a norm of one rank's shards,
-of squares averaged without ×N, or an average of norms) without printing the expected value.
+Each runs the real strategy (on the engines where it must), computes the expected answer from
+it, and says which mistake an answer makes (the first unit and direction that is not zero3's
+choice; a collective's bytes too large or too small; a group that is not its communicator's; a
+norm of one rank's shards, of squares averaged without ×N, or an average of norms) without
+printing the expected value.
 """
 
 from __future__ import annotations
@@ -159,3 +162,125 @@ def check_clip_factor(ranks, atol: float = 1e-6) -> bool:
         f"✗ {name}: rank {wrong[0]}'s factor is {how}; the norm is the square root"
         " of the sum of every rank's squares"
     )
+
+
+def zero3_order(model_config) -> dict[tuple[int, bool], int | None]:
+    """zero3's own prefetch choice for every (unit index, backward), from a one-rank zero3's
+    schedule: the index of the unit it gathers next, or None."""
+    from fsdp_lesson.comm import Comm
+    from fsdp_lesson.memory import MemoryLedger
+    from fsdp_lesson.model import MLP
+    from fsdp_lesson.optim import SGD
+    from fsdp_lesson.strategies import ZeRO3
+
+    schedule = ZeRO3(MLP(model_config), SGD(0.1), Comm(), MemoryLedger()).schedule
+
+    def index(unit):
+        return None if unit is None else schedule.order.index(unit)
+
+    return {
+        (i, backward): index(schedule.following(unit, backward))
+        for i, unit in enumerate(schedule.order)
+        for backward in (False, True)
+    }
+
+
+def run_with_order(order: Callable, model_config, train_config, run_config) -> dict:
+    """On every rank: train (cluster.run_on_engine) with order(i, backward, count) choosing
+    zero3's prefetch in place of Schedule.following."""
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.strategies.zero3 import Schedule
+
+    def learner_following(self, unit, backward):
+        j = order(self.order.index(unit), backward, len(self.order))
+        return None if j is None else self.order[j]
+
+    builtin, Schedule.following = Schedule.following, learner_following
+    try:
+        return run_on_engine(model_config, train_config, run_config)
+    finally:
+        Schedule.following = builtin
+
+
+def issue_order(trace: list) -> list[str]:
+    """The labels of a traced step's collectives, in the order they were issued."""
+    return [what for lane, what, start, _ in sorted(trace, key=lambda s: s[2]) if lane == "comm"]
+
+
+def _by_direction(choices: dict) -> dict[str, object]:
+    return {
+        f"{'backward' if b else 'forward'} {u}": "end" if v is None else v
+        for (u, b), v in sorted(choices.items())
+    }
+
+
+def check_prefetch_order(ranks, next_unit: Callable, model_config, train_config) -> bool:
+    """Exercise 1: next_unit(u, backward, count) against zero3's own choice for every unit and
+    direction of model_config; if they agree, 3 steps of train_config on the ranks with the
+    learner's choice in zero3's place: the same order of collectives, bit-identical parameters."""
+    from dataclasses import replace
+
+    from fsdp_lesson.checks import compare, model_vector
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.config import RunConfig
+
+    expected = zero3_order(model_config)
+    count = len(expected) // 2
+    answers = {key: next_unit(key[0], key[1], count) for key in expected}
+    if all(answer is None for answer in answers.values()):
+        return check("prefetch order", None, None)  # the placeholder: "not solved yet"
+    if not check(
+        "prefetch order",
+        _by_direction(answers),
+        _by_direction(expected),
+        hint="forward goes up, backward down",
+    ):
+        return False
+    config, traced = replace(train_config, steps=3), RunConfig(trace_step=1)
+    yours = ranks.run(run_with_order, next_unit, model_config, config, traced, timeout=300)
+    theirs = ranks.run(run_on_engine, model_config, config, traced, timeout=300)
+    if not check(
+        "issued in zero3's order",
+        [issue_order(r["trace"]) for r in yours],
+        [issue_order(r["trace"]) for r in theirs],
+    ):
+        return False
+    return compare(
+        "parameters",
+        model_vector(yours[0]["params"]),
+        model_vector(theirs[0]["params"]),
+        exact=True,
+    )
+
+
+def check_sent_bytes(ranks, zero3_sent_bytes: Callable, model_config, train_config) -> bool:
+    """Exercise 2: zero3_sent_bytes(unit_bytes, n, reshard_after_forward) against the bytes per
+    step every kind of collective sent on rank 0, as `Comm` counted them, in two steps of
+    train_config with K = 2 layers per unit kept whole, then K = 3 resharded after forward."""
+    from dataclasses import replace
+
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.model import MLP
+    from fsdp_lesson.strategies.zero3 import make_units
+
+    layers, n = MLP(model_config).layers, ranks.n
+    for k, reshard in ((2, False), (3, True)):
+        config = replace(train_config, steps=2, layers_per_unit=k, reshard_after_forward=reshard)
+        unit_bytes = [4 * unit.flat.padded_numel for unit in make_units(layers, k, n)]
+        answer = zero3_sent_bytes(unit_bytes, n, reshard)
+        if answer is None:
+            return check("sent bytes", None, None)  # the placeholder: "not solved yet"
+        traffic = ranks.run(run_on_engine, model_config, config, timeout=300)[0]["traffic"]
+        counted = {
+            kind: traffic[kind]["sent_bytes"] / config.steps
+            for kind in ("allgather", "reduce_scatter")
+        }
+        if not check(
+            f"K={k}, reshard={reshard}",
+            answer,
+            counted,
+            atol=1e-6,
+            hint="(N-1)/N of the bytes per collective; how many allgathers?",
+        ):
+            return False
+    return True

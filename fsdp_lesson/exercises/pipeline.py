@@ -1,5 +1,7 @@
-"""Notebook 12's checker of exercise 1, one micro-batch through two stages by hand.
+"""Notebook 12's checkers: one micro-batch through two stages by hand (exercise 1) and the
+1F1B order of one stage (exercise 2, against `pipeline.schedule_ops`, never shown).
 
+Exercise 1:
 The learner's `my_stage_pass(stage, params, pp, x, y)` runs twice on every rank. First a
 rehearsal, without MPI: its `pp` is a `Rehearsal` that checks every buffer handed to send and
 recv (float32, the boundary's shape, the neighbour's rank) and fills a receive with the values
@@ -188,3 +190,60 @@ def check_stage_pass(ranks) -> bool:
         hint="forward: receive, run the layers, send on (or the loss); backward: "
         "receive the gradient (or the loss's), layers in reverse, send dx back",
     )
+
+
+def _leading_forwards(ops) -> int:
+    return next((i for i, (kind, _) in enumerate(ops) if kind != "F"), len(ops))
+
+
+def how_1f1b_differs(answer, expected) -> str:
+    """Where and how a stage's order first differs from 1F1B's (`expected`), without giving it:
+    a malformed list, a missing or repeated op, a micro-batch out of order, or a forward where
+    a backward was due (warm-up too long or too short, or the steady state not alternating)."""
+    if not isinstance(answer, (list, tuple)) or not all(
+        isinstance(op, (list, tuple)) and len(op) == 2 and op[0] in ("F", "B") for op in answer
+    ):
+        return "give a list of ('F', m) and ('B', m) pairs"
+    answer = [tuple(op) for op in answer]
+    if sorted(answer) != sorted(expected):
+        if len(answer) != len(expected):
+            return f"{len(answer)} ops where {len(expected)} are due"
+        missing = sorted(set(expected) - set(answer))
+        return f"{missing[0][0]}{missing[0][1]} is missing (each op exactly once)"
+    i = next(i for i, (a, e) in enumerate(zip(answer, expected, strict=True)) if a != e)
+    kind, m = answer[i]
+    if kind == expected[i][0]:
+        return f"op {i} is {kind}{m}: another micro-batch was due (each kind in order)"
+    word = {"F": "a forward", "B": "a backward"}
+    longer = _leading_forwards(answer) - _leading_forwards(expected)
+    reason = (
+        "warm-up too long"
+        if longer > 0
+        else "warm-up too short"
+        if longer < 0
+        else "steady state: one forward, then one backward"
+    )
+    return f"op {i} is {word[kind]}, {word[expected[i][0]]} was due — {reason}"
+
+
+def check_1f1b(my_1f1b) -> bool:
+    """Exercise 2: my_1f1b(P, stage, M) against `schedule_ops("1f1b", ...)` for every P = 2..5,
+    stage and M = 1..8; names the first (stage, P, M) that differs and how."""
+    from fsdp_lesson.checks import NOT_SOLVED, fail, not_solved
+    from fsdp_lesson.pipeline import schedule_ops
+
+    if not_solved(my_1f1b(2, 0, 1)):
+        return fail(f"✗ my_1f1b: {NOT_SOLVED}")
+    for P in range(2, 6):
+        for s in range(P):
+            for M in range(1, 9):
+                answer, expected = my_1f1b(P, s, M), schedule_ops("1f1b", P, s, M)
+                if answer != expected and not (
+                    isinstance(answer, (list, tuple))
+                    and [tuple(op) if isinstance(op, (list, tuple)) else op for op in answer]
+                    == expected
+                ):
+                    how = how_1f1b_differs(answer, expected)
+                    return fail(f"✗ my_1f1b: stage {s} of {P}, M = {M}: {how}")
+    print("✓ my_1f1b: correct for every P = 2..5, stage and M = 1..8")
+    return True

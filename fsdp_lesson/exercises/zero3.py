@@ -191,3 +191,55 @@ def check_zero3_saving(zero3_saving) -> bool:
         hint="items are the seed's model, 2 layers, 4 × 256, each at N = 2, 4, 8; which"
         " categories of section 6's table differ between the two stages?",
     )
+
+
+def _c_step1_losses(seed_run, c_reduce_grads, world, pair) -> dict | None:
+    # On every rank, with the notebook's %%px seed_run (the C program's setup) and the learner's
+    # c_reduce_grads as a DataParallel's reduce_grads: the printed step-1 losses at N = 4
+    # (world) and N = 2 (pair), and the package's dp's (every gradient averaged) for contrast.
+    # None while c_reduce_grads returns None.
+    from ..strategies.dp import DataParallel
+
+    class Yours(DataParallel):
+        name = "c_reduce"
+        unsolved = False
+
+        def reduce_grads(self, layer):
+            if c_reduce_grads(self.grad_views[layer.name], self.comm) is None:
+                self.unsolved = True
+
+    (four, four_losses), (two, two_losses) = seed_run(Yours, world, 2), seed_run(Yours, pair, 2)
+    if four.unsolved or two.unsolved:
+        return None
+    (_, dp_four), (_, dp_two) = seed_run(DataParallel, world, 2), seed_run(DataParallel, pair, 2)
+    return {"yours": [four_losses[1], two_losses[1]], "dp": [dp_four[1], dp_two[1]]}
+
+
+def check_c_bug(ranks, c_step1: dict[int, float]) -> bool:
+    """Exercise 2: the engines' `c_reduce_grads(grads, comm)` in a DataParallel run by their
+    `seed_run` at N = 4 and N = 2; its printed step-1 losses (six decimals) against the C FSDP
+    program's (`c_step1`, by N: what the notebook read from its traces)."""
+    name = "c_reduce_grads"
+    found = ranks.run(
+        _c_step1_losses,
+        Reference("seed_run"),
+        Reference("c_reduce_grads"),
+        Reference("world"),
+        Reference("pair"),
+        timeout=120,
+    )[0]
+    if found is None:
+        return fail(f"✗ {name}: {NOT_SOLVED}")
+    printed = {label: [f"{loss:f}" for loss in losses] for label, losses in found.items()}
+    if printed["yours"] == printed["dp"] != [f"{c_step1[4]:f}", f"{c_step1[2]:f}"]:
+        return fail(
+            f"✗ {name}: step 1 is what the package's dp prints, every gradient averaged;"
+            " C's FSDP printed something else: which gradients did it really average?"
+        )
+    return check(
+        name,
+        printed["yours"],
+        [f"{c_step1[4]:f}", f"{c_step1[2]:f}"],
+        hint="the step-1 loss at N = 4 and N = 2 as C prints it; step 0 agrees, so "
+        "the forward is right: which gradients are really averaged?",
+    )
