@@ -76,74 +76,174 @@ def step_seconds(
 
 @dataclass(frozen=True)
 class Transformer:
-    """A decoder-only transformer's shape (Llama-like): enough to count its bytes."""
+    """A Llama decoder's shape, enough to count its bytes: RMSNorm before attention and MLP,
+    grouped-query attention (kv_heads ≤ heads share keys and values), a SwiGLU MLP of width
+    `ffn`, no biases, no dropout, input and output embeddings not tied."""
 
     name: str
     layers: int  # L
     hidden: int  # h
-    heads: int  # a
-    vocab: int = 32_000
+    heads: int  # a, query heads
+    kv_heads: int  # key/value heads: a for multi-head attention, fewer with GQA
+    ffn: int  # f, the MLP's intermediate width
+    vocab: int  # V
+    head_dim: int = 128  # d; a·d = h in every Llama
+
+    @property
+    def layer_params(self) -> int:
+        """One layer: Q and O (2·h·a·d), K and V (2·h·kv·d), the MLP's gate, up and down
+        (3·h·f), and the two RMSNorm weights (2·h): zero3's unit."""
+        h, d = self.hidden, self.head_dim
+        return 2 * h * self.heads * d + 2 * h * self.kv_heads * d + 3 * h * self.ffn + 2 * h
 
     @property
     def params(self) -> int:
-        """Ψ ≈ 12·L·h² (attention 4h², MLP 8h²) plus the input and output embeddings, 2·V·h."""
-        return 12 * self.layers * self.hidden**2 + 2 * self.vocab * self.hidden
+        """Ψ: L layers, the input and output embeddings (2·V·h, untied) and the final norm."""
+        return self.layers * self.layer_params + 2 * self.vocab * self.hidden + self.hidden
 
 
-LLAMA_7B = Transformer("7B", layers=32, hidden=4096, heads=32)  # Ψ ≈ 6.7 B, Llama 2 7B's shape
-LLAMA_70B = Transformer("70B", layers=80, hidden=8192, heads=64)  # Ψ ≈ 65 B (no GQA)
-# Ψ ≈ 410 B, 1 % over Llama 3.1 405B's 405.9 B: no GQA (attention 4h², not 2.125h²) and an MLP
-# of 8h², not 3·h·53,248 = 9.75h²; the two errors nearly cancel, 12h² against 11.875h² a layer
-LLAMA_405B = Transformer("405B", layers=126, hidden=16384, heads=128, vocab=128_256)
-MODELS = {model.name: model for model in (LLAMA_7B, LLAMA_70B, LLAMA_405B)}
+# The shapes of the published config.json files (num_hidden_layers, hidden_size,
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size; the Llama 3 paper's
+# Table 3 has the same layers, widths and heads, and 128,000 words without the checkpoints' 256
+# reserved tokens); Ψ lands on the checkpoints' counts to the parameter: 6,738,415,616 for
+# Llama 2 7B, 8,030,261,248, 70,553,706,496 and 405,853,388,800 for Llama 3.1 8B, 70B, 405B.
+LLAMA_7B = Transformer("7B", 32, 4096, heads=32, kv_heads=32, ffn=11_008, vocab=32_000)  # Llama 2
+LLAMA_8B = Transformer("8B", 32, 4096, heads=32, kv_heads=8, ffn=14_336, vocab=128_256)
+LLAMA_70B = Transformer("70B", 80, 8192, heads=64, kv_heads=8, ffn=28_672, vocab=128_256)
+LLAMA_405B = Transformer("405B", 126, 16_384, heads=128, kv_heads=8, ffn=53_248, vocab=128_256)
+MODELS = {model.name: model for model in (LLAMA_7B, LLAMA_8B, LLAMA_70B, LLAMA_405B)}
+
+ATTENTION = ("materialized", "flash")  # attention's s×s probabilities kept, or FlashAttention
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_mode(recompute: bool | str) -> str:
+    """`recompute` as one of RECOMPUTE: True is "full" (every layer), False "none"."""
+    if isinstance(recompute, bool):
+        return "full" if recompute else "none"
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+    return recompute
+
+
+def layer_activation_bytes(
+    model: Transformer,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    item: int = 2,
+    *,
+    cp: int = 1,
+    attention: str = "materialized",
+    selective: bool = False,
+) -> int:
+    """Bytes one GPU keeps for one layer's backward, one micro-batch of b sequences of s tokens,
+    activations of `item` bytes: Korthikanti et al. (2022, arXiv 2205.05198) counted term by
+    term for a Llama layer (docs/long_context.md). Per token, in elements:
+
+      whole on every tp GPU (cut by t along the sequence with sequence parallelism):
+        4h   the two RMSNorms' inputs and outputs (the outputs feed QKV and the MLP)
+      cut by t (Megatron splits heads and the MLP's width):
+        a·d  Q, after RoPE               2·kv·d  K and V (GQA: kv heads, not a)
+        a·d  attention's output, the input of the output projection
+        3f   the MLP's gate and up outputs and their SwiGLU product (the down projection's input)
+        a·s  "materialized": the softmax probabilities of every query against all s keys,
+             kept for the softmax's backward and the product with V (no dropout in Llama);
+             "flash" keeps a fp32 log-sum-exp per query and head instead, 4·a bytes.
+    `selective` recomputation (Korthikanti's) drops the a·s probabilities. Context
+    parallelism over `cp` GPUs gives each the queries, keys and values of s/cp tokens, so
+    every term is /cp: the probabilities are the local queries' against all s keys. Ring
+    attention keeps a GPU's own K/V for backward and passes them around again there; the
+    blocks in flight (at most two of K and V, s/cp tokens each) are not counted.
+    With MHA, a 4h GELU MLP and dropout the same count is the paper's sbh·(34 + 5as/h).
+    """
+    s, b, h, t, c = seq_len, micro_batch, model.hidden, tp, cp
+    ad, kvd = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    whole = 4 * h * item  # bytes per token: the norms' inputs and outputs
+    cut = (2 * ad + 2 * kvd + 3 * model.ffn) * item
+    if attention == "flash":
+        cut += 4 * model.heads  # the fp32 log-sum-exp of each head's softmax
+    elif attention != "materialized":
+        raise ValueError(f"attention {attention!r}: choose one of {', '.join(ATTENTION)}")
+    elif not selective:
+        cut += model.heads * s * item  # the probabilities: a·s per token, a·s²·b in all
+    if sequence_parallel:
+        return s * b * (whole + cut) // (t * c)
+    return s * b * whole // c + s * b * cut // (t * c)
+
+
+def layer_input_bytes(
+    model: Transformer,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sequence_parallel: bool,
+    item: int,
+    cp: int = 1,
+) -> int:
+    """What full recomputation keeps of a layer: its input, s·b·h, cut along the sequence by
+    cp, and by tp too with sequence parallelism."""
+    cut = cp * (tp if sequence_parallel else 1)
+    return seq_len * micro_batch * model.hidden * item // cut
+
+
+def logits_bytes(
+    model: Transformer, seq_len: int, micro_batch: int, tp: int = 1, cp: int = 1
+) -> int:
+    """The output layer's fp32 logits, which the cross-entropy keeps for backward: s·b·V·4
+    bytes, the vocabulary cut by tp (Megatron's vocab-parallel loss), the tokens by cp."""
+    return 4 * seq_len * micro_batch * model.vocab // (tp * cp)
 
 
 def transformer_activation_bytes(
-    model: Transformer, seq_len: int, micro_batch: int, recompute: bool, item: int = 2
-) -> int:
-    """Activations one GPU keeps for backward, by the formula of Korthikanti et al. (2022),
-    "Reducing Activation Recomputation in Large Transformer Models", for 16-bit activations.
-
-    A layer keeps s·b·h·(34 + 5·a·s/h) bytes (the 5·a·s/h term: attention's s×s scores).
-    Recomputing every layer keeps only each layer's input, 2·s·b·h bytes, plus one layer's
-    full activations while it is recomputed in backward. A formula: predicted, not measured.
-    """
-    s, b, h, a = seq_len, micro_batch, model.hidden, model.heads
-    per_layer = s * b * h * (34 + 5 * a * s // h) * item // 2
-    if not recompute:
-        return model.layers * per_layer
-    return model.layers * item * s * b * h + per_layer
-
-
-def gpu_bytes(
     model: Transformer,
-    strategy: str,
-    n: int,
+    seq_len: int,
+    micro_batch: int,
+    recompute: bool | str,
+    item: int = 2,
     *,
-    precision: str = "bf16",
-    seq_len: int = 4096,
-    micro_batch: int = 1,
-    recompute: bool = False,
-) -> dict[str, float]:
-    """Bytes per GPU of a real model with Adam: the ZeRO state (`state_bytes`), zero3's
-    gathered layers (one computing, one prefetched, in 16 bits), and the activations."""
-    bytes_per = precision_of(precision, "adam")
-    out = state_bytes(strategy, model.params, n, bytes_per)
-    layer = 12 * model.hidden**2  # one transformer layer's parameters: zero3's unit
-    out["gathered"] = 2 * layer * bytes_per.params if strategy == "zero3" else 0
-    item = bytes_per.params  # activations in the compute precision
-    out["activations"] = transformer_activation_bytes(model, seq_len, micro_batch, recompute, item)
-    return out
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    attention: str = "materialized",
+    layers: int | None = None,
+) -> int:
+    """Activations one GPU keeps for backward over `layers` layers (default: all L) of one
+    micro-batch, a prediction by `layer_activation_bytes`. "none" keeps every layer's;
+    "selective" every layer's but attention's probabilities; "full" (or True) only each
+    layer's input, plus one layer's full activations while backward recomputes it."""
+    mode, layers = recompute_mode(recompute), model.layers if layers is None else layers
+    shape = dict(tp=tp, sequence_parallel=sequence_parallel, item=item, cp=cp, attention=attention)
+    full = layer_activation_bytes(model, seq_len, micro_batch, **shape)
+    if mode == "none":
+        return layers * full
+    if mode == "selective":
+        return layers * layer_activation_bytes(model, seq_len, micro_batch, **shape, selective=True)
+    kept = layer_input_bytes(model, seq_len, micro_batch, tp, sequence_parallel, item, cp)
+    return layers * kept + full
 
 
-# --- meshes: tensor and pipeline parallelism composed with ZeRO ----------------------------
+def gpu_bytes(model: Transformer, strategy: str, n: int, **levers) -> dict[str, float]:
+    """Bytes per GPU of a real model with Adam on n GPUs of data parallelism alone: the ZeRO
+    state (`state_bytes`), zero3's gathered layers (one computing, one prefetched, in 16 bits)
+    and the activations with the logits. `levers`: mesh_gpu_bytes' (precision, seq_len,
+    micro_batch, recompute, attention)."""
+    return mesh_gpu_bytes(model, strategy, n, **levers)
+
+
+# --- meshes: tensor, pipeline and context parallelism composed with ZeRO -------------------
 #
-# N = dp·tp·pp GPUs. Megatron's tensor parallelism (Shoeybi et al. 2019, arXiv 1909.08053)
+# N = dp·tp·pp·cp GPUs. Megatron's tensor parallelism (Shoeybi et al. 2019, arXiv 1909.08053)
 # cuts every layer's weights, and the vocab-parallel embeddings, across tp GPUs; pipeline
-# parallelism gives each of pp stages ceil(L/pp) consecutive layers; ZeRO's stage shards what
-# one GPU still holds across the dp GPUs that hold the same piece. Every figure is for a GPU of
-# the first pipeline stage, the worst: it has the most layers, the input embedding, and under
-# 1F1B the most micro-batches in flight. Predicted by formula, not measured.
+# parallelism gives each of pp stages ceil(L/pp) consecutive layers; context parallelism gives
+# each of cp GPUs s/cp tokens of every sequence (ring attention, Liu et al. 2023, arXiv
+# 2310.01889), all of the model; ZeRO's stage shards what one GPU still holds across the
+# dp·cp GPUs that hold the same piece (Megatron's distributed optimizer and torchtitan's FSDP
+# both shard over dp × cp: those GPUs hold the same weights and sum the same gradients).
+# Every figure is for a GPU of the first pipeline stage, the worst: it has the most layers,
+# the input embedding, and under 1F1B the most micro-batches in flight. Predicted by formula,
+# not measured.
 
 GPU_CAPACITY = 80 * 2**30  # an 80 GiB GPU
 SCHEDULES = ("1f1b", "gpipe")
@@ -156,23 +256,10 @@ def stage_layers(model: Transformer, pp: int) -> int:
 
 def stage_params(model: Transformer, tp: int, pp: int) -> float:
     """Parameters one GPU of the first stage holds before ZeRO shards them: its ceil(L/pp)
-    layers and the input embedding (with one stage, the output embedding too), all over tp."""
-    embeddings = (2 if pp == 1 else 1) * model.vocab * model.hidden
-    return (stage_layers(model, pp) * 12 * model.hidden**2 + embeddings) / tp
-
-
-def layer_activation_bytes(
-    model: Transformer, seq_len: int, micro_batch: int, tp: int, sequence_parallel: bool, item: int
-) -> int:
-    """One micro-batch's activations one GPU keeps for one layer: Korthikanti et al. (2022),
-    Table 2, in 16 bits (item = 2). With tp GPUs a layer keeps s·b·h·(10 + 24/t + 5·a·s/(h·t)):
-    the layer norms' and dropouts' 10·s·b·h stay whole on every GPU; sequence parallelism cuts
-    those along the sequence too, s·b·h/t·(34 + 5·a·s/h). At t = 1 both are s·b·h·(34 + 5·a·s/h).
-    """
-    s, b, h, a, t = seq_len, micro_batch, model.hidden, model.heads, tp
-    scores = 5 * a * s * s * b  # attention's s×s scores, softmax and dropout: cut by t
-    replicated = 34 * s * b * h if sequence_parallel else (10 * t + 24) * s * b * h
-    return (replicated + scores) * item // (2 * t)
+    layers and the input embedding (with one stage, the output embedding and the final norm
+    too), all over tp. stage_params(model, 1, 1) is model.params."""
+    ends = model.vocab * model.hidden + (pp == 1) * (model.vocab + 1) * model.hidden
+    return (stage_layers(model, pp) * model.layer_params + ends) / tp
 
 
 def pipeline_in_flight(pp: int, micro_batches: int, schedule: str) -> int:
@@ -194,12 +281,44 @@ def bubble_fraction(pp: int, micro_batches: int) -> float:
     return (pp - 1) / (micro_batches + pp - 1)
 
 
+def splits_heads(model: Transformer, tp: int) -> bool:
+    """Whether tp GPUs split the query and the key/value heads evenly (Megatron's cut)."""
+    return model.heads % tp == 0 and model.kv_heads % tp == 0
+
+
+def mesh_problem(
+    model: Transformer,
+    seq_len: int,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+) -> str | None:
+    """Why the formulas cannot plan this mesh (what would not split evenly), or None."""
+    if not splits_heads(model, tp):
+        return (
+            f"tp {tp} does not divide {model.name}'s {model.heads} query and"
+            f" {model.kv_heads} key/value heads"
+        )
+    if pp > model.layers:
+        return f"pp {pp} leaves stages of {model.name}'s {model.layers} layers empty"
+    if cp > 1 and seq_len % (2 * cp):
+        return (
+            f"cp {cp} needs a sequence of whole zig-zag chunks, a multiple of 2·cp ="
+            f" {2 * cp} tokens; {seq_len} is not"
+        )
+    if sequence_parallel and seq_len % (cp * tp):
+        return f"sequence parallelism cuts s/cp over tp: {seq_len} is not a multiple of {cp * tp}"
+    return None
+
+
 def mesh_gpu_bytes(
     model: Transformer,
     strategy: str,
     dp: int,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     *,
     precision: str = "bf16",
     seq_len: int = 4096,
@@ -207,23 +326,34 @@ def mesh_gpu_bytes(
     micro_batches: int = 1,
     schedule: str = "1f1b",
     sequence_parallel: bool = False,
-    recompute: bool = False,
+    recompute: bool | str = False,
+    attention: str = "materialized",
 ) -> dict[str, float]:
-    """Bytes per GPU of the first pipeline stage on a (dp, tp, pp) mesh, Adam: gpu_bytes with
-    the stage's parameters over tp (`stage_params`) as ZeRO's Ψ over dp, zero3's two gathered
-    layers cut by tp, and activations for ceil(L/pp) layers times the micro-batches in flight.
-    With tp = pp = 1 it is gpu_bytes(model, strategy, dp, ...)."""
+    """Bytes per GPU of the first pipeline stage on a (dp, tp, pp, cp) mesh, Adam: the ZeRO
+    state of the stage's parameters over tp (`stage_params`) sharded over dp·cp, zero3's two
+    gathered layers cut by tp, and activations (`transformer_activation_bytes`) for ceil(L/pp)
+    layers times the micro-batches in flight, with the logits when one stage is also the last.
+
+    attention="materialized" (the default) keeps attention's s×s probabilities, as the course's
+    own attention and Korthikanti et al. do: the term that grows with s². "flash" is what
+    long-context runs use (FlashAttention keeps none). With tp = pp = cp = 1 it is gpu_bytes."""
     bytes_per = precision_of(precision, "adam")
-    out = state_bytes(strategy, stage_params(model, tp, pp), dp, bytes_per)
-    layer = 12 * model.hidden**2 / tp  # zero3's unit: one layer's share of this GPU
-    out["gathered"] = 2 * layer * bytes_per.params if strategy == "zero3" else 0
-    item = bytes_per.params
-    full = layer_activation_bytes(model, seq_len, micro_batch, tp, sequence_parallel, item)
-    # recomputation keeps each layer's input, cut along the sequence with sequence parallelism,
-    # and one layer's full activations while backward recomputes it
-    kept = item * seq_len * micro_batch * model.hidden // (tp if sequence_parallel else 1)
+    out = state_bytes(strategy, stage_params(model, tp, pp), dp * cp, bytes_per)
+    out["gathered"] = 2 * model.layer_params / tp * bytes_per.params if strategy == "zero3" else 0
+    item = bytes_per.params  # activations in the compute precision
     layers = pipeline_in_flight(pp, micro_batches, schedule) * stage_layers(model, pp)
-    out["activations"] = layers * kept + full if recompute else layers * full
+    out["activations"] = transformer_activation_bytes(
+        model,
+        seq_len,
+        micro_batch,
+        recompute,
+        item,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        cp=cp,
+        attention=attention,
+        layers=layers,
+    ) + (logits_bytes(model, seq_len, micro_batch, tp, cp) if pp == 1 else 0)
     return out
 
 
@@ -233,45 +363,58 @@ def mesh_traffic_bytes(
     dp: int,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     *,
     precision: str = "bf16",
     seq_len: int = 4096,
     micro_batch: int = 1,
     micro_batches: int = 1,
-    recompute: bool = False,
+    recompute: bool | str = False,
 ) -> dict[str, float]:
     """Bytes one GPU sends per step along each dimension of the mesh (ring model, 16 bits):
 
-    dp: the strategy's `traffic_bytes` over the GPU's parameters (`stage_params`, ≈ Ψ/(tp·pp)),
-        once per step: the m micro-batches' gradients summed before the reduction.
-    tp: per layer and micro-batch, Megatron's 4 allreduces of s·b·h (2 forward, 2 backward;
-        recomputation runs forward's 2 again), each sending 2(t−1)/t of it. Sequence
+    dp: the strategy's `traffic_bytes` over the GPU's parameters (`stage_params`, ≈ Ψ/(tp·pp))
+        among the dp·cp GPUs that share them, once per step: the m micro-batches' gradients
+        summed before the reduction.
+    tp: per layer and micro-batch, Megatron's 4 allreduces of s/cp·b·h (2 forward, 2 backward;
+        full recomputation runs forward's 2 again), each sending 2(t−1)/t of it. Sequence
         parallelism turns each into an allgather and a reduce-scatter: the same bytes.
-    pp: per micro-batch, s·b·h activations forward over a stage boundary and their gradient
+    pp: per micro-batch, s/cp·b·h activations forward over a stage boundary and their gradient
         backward; a middle stage sends both, an end stage one (Megatron's scatter/gather
         would send 1/t of it per GPU, Narayanan et al. 2021, section 4.1: not counted here).
+    cp: per layer and micro-batch, ring attention passes each GPU's K and V block
+        (2·s/cp·b·kv·d/t elements) cp − 1 hops forward, and in backward again with its dK and
+        dV: 3 passes (4 with full recomputation, which runs the forward ring again).
     """
-    item = precision_of(precision, "adam").params
-    message = item * seq_len * micro_batch * model.hidden  # one s·b·h activation
-    allreduces = 6 if recompute else 4
-    per_layer = allreduces * 2 * (tp - 1) / tp * message
+    item, full = precision_of(precision, "adam").params, recompute_mode(recompute) == "full"
+    message = item * seq_len * micro_batch * model.hidden / cp  # one s/cp·b·h activation
+    per_layer = (6 if full else 4) * 2 * (tp - 1) / tp * message
+    kv_block = item * 2 * seq_len / cp * micro_batch * model.kv_heads * model.head_dim / tp
+    layers = micro_batches * stage_layers(model, pp)
     return {
-        "dp": traffic_bytes(strategy, stage_params(model, tp, pp), dp, item),
-        "tp": micro_batches * stage_layers(model, pp) * per_layer,
+        "dp": traffic_bytes(strategy, stage_params(model, tp, pp), dp * cp, item),
+        "tp": layers * per_layer,
         "pp": micro_batches * min(2, pp - 1) * message,
+        "cp": layers * (4 if full else 3) * (cp - 1) * kv_block,
     }
 
 
-def meshes(model: Transformer, gpus: int, max_tp: int = 8) -> list[tuple[int, int, int]]:
-    """Every (dp, tp, pp) of `gpus` GPUs worth planning: tp inside one 8-GPU server (its
-    allreduces run every layer) and dividing the heads, pp at most one layer per stage."""
-    # only tp <= max_tp and pp <= the layers are tried: time in those, not in `gpus` (10^12)
+def meshes(
+    model: Transformer, gpus: int, max_tp: int = 8, max_cp: int = 1
+) -> list[tuple[int, int, int, int]]:
+    """Every (dp, tp, pp, cp) of `gpus` GPUs worth planning: tp inside one 8-GPU server (its
+    allreduces run every layer) dividing the query and key/value heads, pp at most one layer per
+    stage, cp at most max_cp (1: no context parallelism)."""
+    # only tp <= max_tp, pp <= the layers and cp <= max_cp are tried: time in those, not in
+    # `gpus` (10^12)
     return [
-        (gpus // (tp * pp), tp, pp)
+        (gpus // (tp * pp * cp), tp, pp, cp)
         for tp in range(1, min(max_tp, gpus) + 1)
-        if gpus % tp == 0 and model.heads % tp == 0
+        if gpus % tp == 0 and splits_heads(model, tp)
         for pp in range(1, min(model.layers, gpus // tp) + 1)
         if (gpus // tp) % pp == 0
+        for cp in range(1, min(max_cp, gpus // (tp * pp)) + 1)
+        if (gpus // (tp * pp)) % cp == 0
     ]
 
 
@@ -281,14 +424,18 @@ def fitting_meshes(
     strategy: str = "zero1",
     *,
     capacity: float = GPU_CAPACITY,
+    max_cp: int = 1,
     **levers,
-) -> list[tuple[int, int, int]]:
-    """The meshes of `meshes` whose first-stage GPU needs at most `capacity` bytes; `levers`
-    are mesh_gpu_bytes' keywords (micro_batches, schedule, sequence_parallel, recompute, ...)."""
+) -> list[tuple[int, int, int, int]]:
+    """The meshes of `meshes` whose first-stage GPU needs at most `capacity` bytes and whose
+    sequence splits evenly (`mesh_problem`); `levers` are mesh_gpu_bytes' keywords
+    (seq_len, micro_batches, schedule, sequence_parallel, recompute, attention, ...)."""
+    seq_len, parallel = levers.get("seq_len", 4096), levers.get("sequence_parallel", False)
     return [
         mesh
-        for mesh in meshes(model, gpus)
-        if sum(mesh_gpu_bytes(model, strategy, *mesh, **levers).values()) <= capacity
+        for mesh in meshes(model, gpus, max_cp=max_cp)
+        if mesh_problem(model, seq_len, *mesh[1:], sequence_parallel=parallel) is None
+        and sum(mesh_gpu_bytes(model, strategy, *mesh, **levers).values()) <= capacity
     ]
 
 

@@ -1,11 +1,14 @@
-"""plan: predicted memory, pipeline bubble and traffic of a real model on a (dp, tp, pp) mesh.
+"""plan: predicted memory, pipeline bubble and traffic of a Llama on a (dp, tp, pp, cp) mesh.
 
     python -m fsdp_lesson plan --model 405B --gpus 1024 --tp 8 --pp 16 --recompute
     python -m fsdp_lesson plan --model 70B --gpus 64 --recompute    # the meshes that fit 80 GiB
+    python -m fsdp_lesson plan --model llama3-405b --seq-len 131072 --gpus 16384 \
+        --attention flash --sequence-parallel --recompute --micro-batches 16   # 128k tokens
 
-With --tp or --pp it prints one mesh (dp = gpus / (tp·pp)): a GPU's bytes by category, the
-bubble and the bytes a GPU sends per step along each dimension. Without them, every mesh of
---gpus GPUs that fits an 80 GiB GPU. Formulas of fsdp_lesson/plan.py (docs/zero_formulas.md):
+With --tp, --pp or --cp it prints one mesh (dp = gpus / (tp·pp·cp)): a GPU's bytes by
+category, the bubble and the bytes a GPU sends per step along each dimension. Without them,
+for each (tp, pp) the mesh with the fewest context-parallel GPUs (cp up to --max-cp) that fits
+an 80 GiB GPU. Formulas of fsdp_lesson/plan.py (docs/zero_formulas.md, docs/long_context.md):
 predicted, not measured.
 """
 
@@ -15,15 +18,19 @@ import argparse
 import sys
 
 from .plan import (
+    ATTENTION,
     GPU_CAPACITY,
     MODELS,
     PLANNED,
+    RECOMPUTE,
     SCHEDULES,
     bubble_fraction,
     fitting_meshes,
     mesh_gpu_bytes,
+    mesh_problem,
     mesh_traffic_bytes,
     meshes,
+    splits_heads,
     stage_layers,
 )
 
@@ -31,6 +38,17 @@ GIB = 2**30
 
 
 EXACT = 2**53  # the largest count float64 holds exactly: any flag above it is refused
+ALIASES = {"llama2-7b": "7B"} | {f"llama3-{name.lower()}": name for name in ("8B", "70B", "405B")}
+
+
+def model_name(text: str) -> str:
+    """--model's value as a key of plan.MODELS: 405B, 405b or llama3-405b are the same model."""
+    name = ALIASES.get(text.lower(), text.upper())
+    if name not in MODELS:
+        raise argparse.ArgumentTypeError(
+            f"no model {text!r}: choose one of {', '.join(MODELS)} (or {', '.join(ALIASES)})"
+        )
+    return name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,13 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=list(MODELS), default="405B", help="Llama-like shape")
-    parser.add_argument("--gpus", type=int, default=1024, help="GPUs in all: dp·tp·pp")
+    parser.add_argument(
+        "--model", type=model_name, default="405B", help=f"a Llama's shape: {', '.join(MODELS)}"
+    )
+    parser.add_argument("--gpus", type=int, default=1024, help="GPUs in all: dp·tp·pp·cp")
     parser.add_argument("--strategy", choices=PLANNED, default="zero1", help="ZeRO over dp")
     parser.add_argument(
         "--tp", type=int, help="tensor-parallel GPUs (default: list the meshes, tp <= 8)"
     )
     parser.add_argument("--pp", type=int, help="pipeline stages (default: list the meshes)")
+    parser.add_argument(
+        "--cp", type=int, help="context-parallel GPUs, s/cp tokens each (default: list the meshes)"
+    )
+    parser.add_argument("--max-cp", type=int, default=32, help="the most cp a listed mesh has")
     parser.add_argument(
         "--micro-batches", type=int, default=32, help="m per step: dp·m·b sequences a step"
     )
@@ -57,14 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--sequence-parallel", action="store_true", help="split norms/dropouts over tp too"
     )
     parser.add_argument(
-        "--recompute", action="store_true", help="keep each layer's input, recompute the rest"
+        "--recompute",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=RECOMPUTE,
+        help="full (alone: --recompute) keeps each layer's input; selective drops the s×s scores",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="materialized",
+        help="materialized keeps the s×s probabilities (Korthikanti's count); flash keeps none",
     )
     return parser
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, with what to type instead, what the formulas cannot plan (exit code 2)."""
-    for flag in ("gpus", "tp", "pp", "micro_batches", "seq_len", "micro_batch"):
+    for flag in ("gpus", "tp", "pp", "cp", "max_cp", "micro_batches", "seq_len", "micro_batch"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} {value}: it must be 1 or more")
@@ -74,24 +109,24 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f" float64, exact up to 2**53 (about 9e15): use a smaller value"
             )
     model = MODELS[args.model]
-    tp, pp = args.tp or 1, args.pp or 1
-    if model.heads % tp:
-        fitting = ", ".join(str(t) for t in range(1, 9) if model.heads % t == 0)
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    problem = mesh_problem(model, args.seq_len, tp, pp, cp, args.sequence_parallel)
+    if problem and not splits_heads(model, tp):
+        fitting = ", ".join(str(t) for t in range(1, 9) if splits_heads(model, t))
+        parser.error(f"--tp {tp}: {problem}: use one of {fitting} (within one 8-GPU server)")
+    if problem and pp > model.layers:
+        parser.error(f"--pp {pp}: {problem}: use --pp {model.layers} or fewer")
+    if problem:
         parser.error(
-            f"--tp {tp}: {model.name}'s {model.heads} heads do not split evenly over {tp} GPUs: "
-            f"use a divisor of {model.heads} ({fitting} within one 8-GPU server)"
+            f"--seq-len {args.seq_len} with --cp {cp}: {problem}: change --seq-len, --cp or --tp"
         )
-    if pp > model.layers:
-        parser.error(
-            f"--pp {pp}: {model.name} has {model.layers} layers, at least one per stage: use "
-            f"--pp {model.layers} or fewer"
-        )
-    if args.gpus % (tp * pp):
-        below, above = args.gpus // (tp * pp) * tp * pp, (args.gpus // (tp * pp) + 1) * tp * pp
+    if args.gpus % (tp * pp * cp):
+        mesh = tp * pp * cp
+        below, above = args.gpus // mesh * mesh, (args.gpus // mesh + 1) * mesh
         nearest = f"--gpus {above}" + (f" or --gpus {below}" if below else "")
         parser.error(
-            f"--gpus {args.gpus} is not a multiple of tp·pp = {tp}·{pp} = {tp * pp}, so no dp "
-            f"fits: type {nearest}, or another --tp/--pp"
+            f"--gpus {args.gpus} is not a multiple of tp·pp·cp = {tp}·{pp}·{cp} = {mesh}, so no"
+            f" dp fits: type {nearest}, or another --tp/--pp/--cp"
         )
 
 
@@ -104,22 +139,25 @@ def levers(args: argparse.Namespace) -> dict:
         "schedule": args.schedule,
         "sequence_parallel": args.sequence_parallel,
         "recompute": args.recompute,
+        "attention": args.attention,
     }
 
 
-def traffic(args: argparse.Namespace, dp: int, tp: int, pp: int) -> dict[str, float]:
-    """Bytes one GPU sends per step along dp, tp and pp (mesh_traffic_bytes)."""
+def traffic(args: argparse.Namespace, *mesh: int) -> dict[str, float]:
+    """Bytes one GPU sends per step along dp, tp, pp and cp (mesh_traffic_bytes)."""
     model, lever = MODELS[args.model], levers(args)
     keep = ("seq_len", "micro_batch", "micro_batches", "recompute")
-    return mesh_traffic_bytes(model, args.strategy, dp, tp, pp, **{k: lever[k] for k in keep})
+    return mesh_traffic_bytes(model, args.strategy, *mesh, **{k: lever[k] for k in keep})
 
 
-def say_mesh(args: argparse.Namespace, tp: int, pp: int) -> None:
+def say_mesh(args: argparse.Namespace, tp: int, pp: int, cp: int) -> None:
     """One mesh: a first-stage GPU's bytes by category, the bubble, the traffic by dimension."""
-    model, dp = MODELS[args.model], args.gpus // (tp * pp)
-    memory = mesh_gpu_bytes(model, args.strategy, dp, tp, pp, **levers(args))
+    model, dp = MODELS[args.model], args.gpus // (tp * pp * cp)
+    memory = mesh_gpu_bytes(model, args.strategy, dp, tp, pp, cp, **levers(args))
     total = sum(memory.values())
-    print(f"{model.name} on dp {dp} × tp {tp} × pp {pp} = {args.gpus} GPUs, {args.strategy}")
+    print(
+        f"{model.name} on dp {dp} × tp {tp} × pp {pp} × cp {cp} = {args.gpus} GPUs, {args.strategy}"
+    )
     print(f"bytes per GPU of the first stage ({stage_layers(model, pp)} of {model.layers} layers):")
     for category, size in memory.items():
         print(f"  {category:<12} {size / GIB:9.1f} GiB")
@@ -128,34 +166,52 @@ def say_mesh(args: argparse.Namespace, tp: int, pp: int) -> None:
     m = args.micro_batches
     print(f"pipeline bubble: {bubble_fraction(pp, m):.1%} of the step, (p-1)/(m+p-1) at m = {m}")
     print("bytes one GPU sends per step:")
-    for dim, size in traffic(args, dp, tp, pp).items():
+    for dim, size in traffic(args, dp, tp, pp, cp).items():
         print(f"  {dim:<3} {size / GIB:9.1f} GiB")
 
 
+def least_cp(found: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Of the meshes found, for each (tp, pp) the one with the fewest cp GPUs: more cp only
+    adds ring traffic once a mesh fits."""
+    first: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+    for mesh in found:
+        first.setdefault(mesh[1:3], mesh)
+    return list(first.values())
+
+
 def say_fitting(args: argparse.Namespace) -> None:
-    """Every mesh of --gpus GPUs that fits 80 GiB, with its bubble and traffic; or the nearest."""
-    model = MODELS[args.model]
-    fitting = fitting_meshes(model, args.gpus, args.strategy, **levers(args))
-    print(f"meshes of {args.gpus} GPUs where {model.name} fits an 80 GiB GPU ({args.strategy}):")
-    if not fitting:
+    """For each (tp, pp), the least cp whose mesh fits 80 GiB, its bubble and traffic; or the
+    mesh that comes nearest, and what to change."""
+    model, lever = MODELS[args.model], levers(args)
+    found = fitting_meshes(model, args.gpus, args.strategy, max_cp=args.max_cp, **lever)
+    print(
+        f"meshes of {args.gpus} GPUs where {model.name} fits an 80 GiB GPU ({args.strategy},"
+        f" the fewest cp for each tp × pp, cp up to {args.max_cp}):"
+    )
+    if not found:
         needs = {
-            mesh: mesh_gpu_bytes(model, args.strategy, *mesh, **levers(args))
-            for mesh in meshes(model, args.gpus)
+            mesh: mesh_gpu_bytes(model, args.strategy, *mesh, **lever)
+            for mesh in meshes(model, args.gpus, max_cp=args.max_cp)
+            if mesh_problem(model, args.seq_len, *mesh[1:], args.sequence_parallel) is None
         }
-        dp, tp, pp = least = min(needs, key=lambda mesh: sum(needs[mesh].values()))
+        dp, tp, pp, cp = least = min(needs, key=lambda mesh: sum(needs[mesh].values()))
         total, activations = sum(needs[least].values()), needs[least]["activations"]
         print(
-            f"  none: the least, dp {dp} × tp {tp} × pp {pp}, needs {total / GIB:.1f} GiB, "
-            f"{activations / GIB:.1f} of them activations: try --recompute or "
-            f"--sequence-parallel (activations), --stage zero3 (state) or more --gpus"
+            f"  none: the least, dp {dp} × tp {tp} × pp {pp} × cp {cp}, needs {total / GIB:.1f}"
+            f" GiB, {activations / GIB:.1f} of them activations: try --recompute,"
+            f" --sequence-parallel or --attention flash (activations), --strategy zero3 (state),"
+            f" a larger --max-cp or more --gpus"
         )
         return
-    print(f"  {'dp':>5} {'tp':>3} {'pp':>4}  {'GiB/GPU':>8}  {'bubble':>6}  GiB sent: dp, tp, pp")
-    for dp, tp, pp in fitting:
-        total = sum(mesh_gpu_bytes(model, args.strategy, dp, tp, pp, **levers(args)).values())
-        sent = "  ".join(f"{b / GIB:7.1f}" for b in traffic(args, dp, tp, pp).values())
+    print(
+        f"  {'dp':>5} {'tp':>3} {'pp':>4} {'cp':>3}  {'GiB/GPU':>8}  {'bubble':>6}"
+        "  GiB sent: dp, tp, pp, cp"
+    )
+    for dp, tp, pp, cp in least_cp(found):
+        total = sum(mesh_gpu_bytes(model, args.strategy, dp, tp, pp, cp, **lever).values())
+        sent = "  ".join(f"{b / GIB:7.1f}" for b in traffic(args, dp, tp, pp, cp).values())
         bubble = bubble_fraction(pp, args.micro_batches)
-        print(f"  {dp:>5} {tp:>3} {pp:>4}  {total / GIB:8.1f}  {bubble:6.1%}  {sent}")
+        print(f"  {dp:>5} {tp:>3} {pp:>4} {cp:>3}  {total / GIB:8.1f}  {bubble:6.1%}  {sent}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,12 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         f"predicted (formulas, not measured): seq {args.seq_len}, micro-batch {args.micro_batch}, "
         f"{args.micro_batches} micro-batches, {args.schedule}, bf16 + Adam"
         + ", sequence parallel" * args.sequence_parallel
-        + ", recompute" * args.recompute
+        + f", {args.recompute} recompute" * (args.recompute != "none")
+        + ", flash attention" * (args.attention == "flash")
     )
-    if args.tp is None and args.pp is None:
+    if args.tp is None and args.pp is None and args.cp is None:
         say_fitting(args)
     else:
-        say_mesh(args, args.tp or 1, args.pp or 1)
+        say_mesh(args, args.tp or 1, args.pp or 1, args.cp or 1)
     return 0
 
 

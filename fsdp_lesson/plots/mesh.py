@@ -1,5 +1,6 @@
-"""Which (dp, tp, pp) meshes fit a GPU: predicted bytes per GPU of every mesh, a panel per model,
-with the GPU's capacity as a dashed line (plan.mesh_gpu_bytes: formulas, not measurements)."""
+"""Which (dp, tp, pp) meshes (cp = 1) fit a GPU: predicted bytes per GPU of every mesh, a panel
+per model, with the GPU's capacity as a dashed line (plan.mesh_gpu_bytes: formulas, not
+measurements)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def mesh_memory(
                 ax.text(x, 0.98 * top, f"{total:,.0f} GiB", rotation=90, ha="center", va="top",
                         color="white", fontsize=7)  # fmt: skip
         ax.axhline(capacity / 2**30, color="black", linestyle="--", label="GPU capacity")
-        ax.set_xticks(xs, [f"{tp}×{pp}" for _, tp, pp in mesh_list], rotation=90, fontsize=7)
+        ax.set_xticks(xs, [f"{tp}×{pp}" for _, tp, pp, _ in mesh_list], rotation=90, fontsize=7)
         ax.set(title=f"{name} on {gpus[name]} GPUs", xlabel="tp × pp (dp: the rest)")
     axes[0][0].set(ylim=(0, top), ylabel="GiB per GPU (first pipeline stage)")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
