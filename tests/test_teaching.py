@@ -9,11 +9,13 @@ import textwrap
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 
 from fsdp_lesson import checks
+from fsdp_lesson.attention import merge
 from fsdp_lesson.config import ModelConfig
-from fsdp_lesson.exercises import data_parallel, zero3, zero12
+from fsdp_lesson.exercises import context, data_parallel, zero3, zero12
 from fsdp_lesson.flat import FlatParam
 from fsdp_lesson.model import MLP
 
@@ -152,6 +154,20 @@ LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
         lambda: zero3.check_zero3_saving(
             lambda psi_pad, largest, n: 4 * psi_pad * (n - 1) / n - 8 * largest
         ),  # fmt: skip
+    ],
+    "15": [
+        lambda: context.check_merge(lambda o1, l1, o2, l2: ((o1 + o2) / 2, np.logaddexp(l1, l2))),
+        lambda: context.check_merge(
+            lambda o1, l1, o2, l2: (
+                np.exp(l1 - np.maximum(l1, l2))[..., None] * o1
+                + np.exp(l2 - np.maximum(l1, l2))[..., None] * o2,
+                np.logaddexp(l1, l2),
+            )
+        ),
+        lambda: context.check_merge(
+            lambda o1, l1, o2, l2: (merge(o1, l1, o2, l2)[0], np.maximum(l1, l2))
+        ),
+        lambda: context.check_merge(lambda o1, l1, o2, l2: (merge(o1, l1, o2, l2)[0], l1 + l2)),
     ],
 }
 

@@ -68,17 +68,17 @@ def merge_mistakes(
         lse = np.logaddexp(lse1, lse2)
         share1, share2 = np.exp(lse1 - lse)[..., None], np.exp(lse2 - lse)[..., None]
     return {
-        "out is the plain average of the two parts: a part whose scores carry more of the "
+        "out is the plain average of the two parts — a part whose scores carry more of the "
         "softmax's mass must weigh more": ((out1 + out2) / 2, None),
         "out weights each part by exp(its lse - the larger lse), but the weights do not add up "
-        "to one: renormalise": (w1 * out1 + w2 * out2, None),
-        "out weights each part by the other part's share: the weights are swapped": (
+        "to one — renormalise": (w1 * out1 + w2 * out2, None),
+        "out weights each part by the other part's share — the weights are swapped": (
             share2 * out1 + share1 * out2,
             None,
         ),
-        "lse is the larger of the two: the log of a sum of exponentials is more than its "
+        "lse is the larger of the two — the log of a sum of exponentials is more than its "
         "largest term (the max needs the exp and the log around it)": (None, top),
-        "lse is lse1 + lse2, the log of a product: the two parts' exponentials are added, "
+        "lse is lse1 + lse2, the log of a product — the two parts' exponentials are added, "
         "not multiplied": (None, lse1 + lse2),
     }
 
