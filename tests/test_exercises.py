@@ -286,3 +286,12 @@ def test_the_ring_step_rehearsal_stops_what_would_hang_or_cannot_be_a_block():
     )
     assert rehearse_ring(no_send).startswith("rank 0 never sends its K/V block (cp.send)")
     assert "a block is K and V as one float32 message" in rehearse_ring(two_messages)
+
+    def receive_first(q, k, v, out, lse, positions, cp):
+        kv = np.stack([k, v])
+        received = cp.irecv(np.empty_like(kv), (cp.rank - 1) % cp.size).wait()
+        cp.send(kv, (cp.rank + 1) % cp.size)
+        return merge(out, lse, *attention(q, received[0], received[1], positions[cp.rank],
+                                          positions[(cp.rank - 1) % cp.size]))  # fmt: skip
+
+    assert rehearse_ring(receive_first).startswith("rank 0 waits for its receive before it sends")

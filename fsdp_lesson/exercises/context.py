@@ -146,12 +146,16 @@ class RingStepError(ValueError):
 
 
 class Done:
-    """A rehearsed send or receive: wait() returns at once (a receive's buffer is filled)."""
+    """A rehearsed send or receive: wait() returns at once (a receive's buffer is filled). A
+    receive waited for before this rank has sent anything is noted (`waited_first`): on the
+    real ring every rank would wait for a block that no rank has sent yet."""
 
-    def __init__(self, buf: np.ndarray | None = None) -> None:
-        self.buf = buf
+    def __init__(self, rehearsal: RingRehearsal | None = None, buf: np.ndarray | None = None):
+        self.rehearsal, self.buf = rehearsal, buf
 
     def wait(self) -> np.ndarray | None:
+        if self.rehearsal is not None and not self.rehearsal.sent:
+            self.rehearsal.waited_first = True
         return self.buf
 
 
@@ -164,6 +168,7 @@ class RingRehearsal:
         self.rank, self.size, self.blocks = rank, size, blocks
         self.sent: list[int] = []
         self.received: list[int] = []
+        self.waited_first = False  # a receive waited for before any send started
 
     def _message(self, what: str, buf, peer) -> None:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
@@ -189,7 +194,7 @@ class RingRehearsal:
         self._message("receives from", buf, source)
         self.received.append(int(source))
         buf[...] = self.blocks[source]
-        return Done(buf)
+        return Done(self, buf)
 
     def recv(self, buf, source: int, tag: str = "") -> np.ndarray:
         return self.irecv(buf, source, tag).wait()
@@ -211,6 +216,11 @@ def rehearsal_mistake(rehearsal: RingRehearsal) -> str | None:
             if not rehearsal.received
             else f"rank {rank} receives {len(rehearsal.received)} messages; one step brings one"
             " block"
+        )
+    if rehearsal.waited_first:
+        return (
+            f"rank {rank} waits for its receive before it sends: every rank would wait for a"
+            " block that no rank has sent yet (start the send first)"
         )
     return None
 
