@@ -201,6 +201,11 @@ params = model.init_params(rng)
 X, Y = GlobalBatchSampler(Dataset.load().X_train, Dataset.load().Y_train, 32, rng).next()
 loss, grads = loss_and_grads(model, params, rank_slice(X, rank, size), rank_slice(Y, rank, size))
 """
+RING_15 = """
+from fsdp_lesson.attention import attention, merge
+from fsdp_lesson.comm import Comm
+cp = Comm.world()
+"""  # notebook 15's setup %%px cell: the ring of exercise B
 CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
     "03": [
         ("def allreduce_mean(comm, buf):\n    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)\n"
@@ -229,6 +234,28 @@ CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
          "    full = full_grad[: flat.padded_numel]\n    full[flat.numel :] = 0\n"
          "    comm.Reduce_scatter_block(full, grad_shard, op=MPI.SUM)\n    return grad_shard",
          zero12.check_reduce_grads),
+    ],
+    "15": [
+        (RING_15 + "def my_ring_step(q, k, v, out, lse, positions, cp):\n"
+         "    kv = np.stack([k, v])\n    received = np.empty_like(kv)\n"
+         "    cp.send(kv, (cp.rank + 1) % cp.size)\n"
+         "    cp.irecv(received, (cp.rank + 1) % cp.size).wait()\n    return out, lse",
+         context.check_ring_step),
+        (RING_15 + "def my_ring_step(q, k, v, out, lse, positions, cp):\n"
+         "    kv = np.stack([k, v])\n    received = np.empty_like(kv)\n"
+         "    before = (cp.rank + 1) % cp.size\n"
+         "    sending = cp.send(kv, (cp.rank - 1) % cp.size)\n"
+         "    cp.irecv(received, before).wait()\n    sending.wait()\n"
+         "    part = attention(q, received[0], received[1], positions[cp.rank],\n"
+         "                     positions[before])\n"
+         "    return merge(out, lse, *part)", context.check_ring_step),
+        (RING_15 + "def my_ring_step(q, k, v, out, lse, positions, cp):\n"
+         "    kv = np.stack([k, v])\n    received = np.empty_like(kv)\n"
+         "    before = (cp.rank - 1) % cp.size\n"
+         "    sending = cp.send(kv, (cp.rank + 1) % cp.size)\n"
+         "    cp.irecv(received, before).wait()\n    sending.wait()\n"
+         "    return attention(q, received[0], received[1], positions[cp.rank], positions[before])",
+         context.check_ring_step),
     ],
 }  # fmt: skip
 

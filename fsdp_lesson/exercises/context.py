@@ -257,17 +257,17 @@ def ring_step_answer(answer, inputs: dict, rank: int, size: int) -> str | None:
     if close(answer[0], right[0]) and close(answer[1], right[1]):
         return None
     candidates = {
-        f"rank {rank}'s queries attended to the keys of rank {after}, the next rank: at step 1 a"
+        f"rank {rank}'s queries attended to the keys of rank {after}, the next rank — at step 1 a"
         " rank holds the block of the rank before it": merge(
             inputs["out"], inputs["lse"], *over(after)
         ),
-        f"rank {rank} returned the received block's attention alone: merge it with the own"
+        f"rank {rank} returned the received block's attention alone — merge it with the own"
         " block's (out, lse)": over(before),
         f"rank {rank} returned its own block's attention: the received block was not merged in": (
             inputs["out"],
             inputs["lse"],
         ),
-        f"rank {rank} masked the received keys with its own positions: the block's keys sit at"
+        f"rank {rank} masked the received keys with its own positions — the block's keys sit at"
         " the positions of the rank that sent it": merge(
             inputs["out"], inputs["lse"], *over(before, mine)
         ),
