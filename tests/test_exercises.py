@@ -1,7 +1,7 @@
-"""The exercise checkers of notebooks 02, 03, 06-09 and 12 (fsdp_lesson/exercises/): a right
-answer passes, each usual mistake gets its own line saying where and how, a stub says "not
-solved yet", and no line gives the expected value. The cluster-side parts run in the notebooks
-(nbval) and in their student copies (test_student.py)."""
+"""The exercise checkers (fsdp_lesson/exercises/): a right answer passes, each usual mistake
+gets its own line saying where and how, a stub says "not solved yet", and no line gives the
+expected value. The cluster-side parts run in the notebooks (nbval) and in their student copies
+(test_student.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from fsdp_lesson import checks
+from fsdp_lesson.attention import attention, merge
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.data import Dataset, GlobalBatchSampler
 from fsdp_lesson.exercises import (
     checkpoints,
     communication,
+    context,
     dataset,
     fsdp_practice,
     memory,
@@ -409,3 +411,120 @@ def test_block_shard_checker_accepts_the_key_and_names_each_mistake(capsys, stud
     assert "too large" in lines(capsys)[0]
     assert not transformer.check_block_shard_bytes(lambda e, f, n: None)
     assert lines(capsys) == ["✗ block_shard_bytes: not solved yet"]
+
+
+# --- notebook 15: the log-sum-exp merge and one ring step ------------------------------------
+
+
+def key_merge(out1, lse1, out2, lse2):
+    lse = np.logaddexp(lse1, lse2)
+    w1, w2 = np.exp(lse1 - lse)[..., None], np.exp(lse2 - lse)[..., None]
+    return w1 * out1 + w2 * out2, lse
+
+
+def test_the_merge_checker_passes_the_key_and_names_each_mistake(capsys, student):
+    def unnormalised(o1, l1, o2, l2):
+        top = np.maximum(l1, l2)
+        return np.exp(l1 - top)[..., None] * o1 + np.exp(l2 - top)[..., None] * o2, key_merge(
+            o1, l1, o2, l2
+        )[1]
+
+    assert context.check_merge(key_merge)
+    assert capsys.readouterr().out.startswith("✓ my_merge: correct")
+    wrong = {
+        "the plain average of the two parts": lambda o1, l1, o2, l2: ((o1 + o2) / 2, l1),
+        "the weights do not add up to one": unnormalised,
+        "lse is the larger of the two": lambda *p: (key_merge(*p)[0], np.maximum(p[1], p[3])),
+        "lse is lse1 + lse2": lambda *p: (key_merge(*p)[0], p[1] + p[3]),
+        "the weights are swapped": lambda o1, l1, o2, l2: (key_merge(o2, l1, o1, l2)[0], l1),
+        "out differs by more than 1e-05 at batch 0": lambda o1, l1, o2, l2: (o1, l1),
+        "return a pair": lambda *p: key_merge(*p)[0],
+    }
+    for words, fn in wrong.items():
+        assert context.check_merge(fn) is False
+        line = capsys.readouterr().out.strip()
+        assert line.startswith("✗ my_merge: ") and words in line, (words, line)
+    assert context.check_merge(lambda *p: (None, None)) is False
+    assert capsys.readouterr().out.strip() == "✗ my_merge: not solved yet"
+
+
+def test_no_merge_line_prints_an_expected_value(capsys, student):
+    context.check_merge(lambda o1, l1, o2, l2: ((o1 + o2) / 2, l1))
+    context.check_merge(lambda o1, l1, o2, l2: (o1, l1))
+    text = capsys.readouterr().out
+    (parts, whole), *_ = context.merge_cases().values()
+    assert not any(f"{x:.3f}" in text for x in np.ravel(whole[0])[:20])
+
+
+def key_ring_step(q, k, v, out, lse, positions, cp, after=1, merged=True, own_positions=False):
+    kv = np.stack([k, v])
+    received = np.empty_like(kv)
+    cp.send(kv, (cp.rank + after) % cp.size)
+    before = (cp.rank - after) % cp.size
+    cp.irecv(received, before).wait()
+    k_pos = positions[cp.rank] if own_positions else positions[before]
+    part = attention(q, received[0], received[1], positions[cp.rank], k_pos)
+    return merge(out, lse, *part) if merged else part
+
+
+def rehearse_ring(step, size=4):
+    """Every rank's rehearsal of `step`: (its mistake or the verdict on its answer) by rank, or
+    the ring's mismatch, as ring_step_items decides them without MPI."""
+    lines, messages = [], []
+    for rank in range(size):
+        inputs = context.ring_inputs(size, rank)
+        rehearsal = context.RingRehearsal(rank, size, inputs["blocks"])
+        try:
+            answer = step(inputs["q"], inputs["k"], inputs["v"], inputs["out"], inputs["lse"],
+                          inputs["positions"], rehearsal)  # fmt: skip
+        except context.RingStepError as err:
+            return str(err)
+        mistake = context.rehearsal_mistake(rehearsal)
+        if mistake:
+            return mistake
+        messages.append((rehearsal.sent[0], rehearsal.received[0]))
+        lines.append(context.ring_step_answer(answer, inputs, rank, size))
+    return context.ring_mistake(messages) or next((line for line in lines if line), None)
+
+
+def test_the_ring_step_rehearsal_passes_the_key_and_names_each_mistake():
+    assert rehearse_ring(key_ring_step) is None
+    cases = {
+        "rank 0's queries attended to the keys of rank 1, the next rank": dict(after=-1),
+        "rank 0 returned the received block's attention alone": dict(merged=False),
+        "rank 0 masked the received keys with its own positions": dict(own_positions=True),
+    }
+    for words, mistake in cases.items():
+        line = rehearse_ring(lambda *a, mistake=mistake: key_ring_step(*a, **mistake))
+        assert line.startswith(words), (words, line)
+
+
+def test_the_ring_step_rehearsal_stops_what_would_hang_or_cannot_be_a_block():
+    def same_side(q, k, v, out, lse, positions, cp):
+        kv = np.stack([k, v])
+        cp.send(kv, (cp.rank + 1) % cp.size)
+        cp.irecv(np.empty_like(kv), (cp.rank + 1) % cp.size).wait()
+        return out, lse
+
+    def no_send(q, k, v, out, lse, positions, cp):
+        cp.irecv(np.empty((2, *k.shape), np.float32), (cp.rank - 1) % cp.size).wait()
+        return out, lse
+
+    def two_messages(q, k, v, out, lse, positions, cp):
+        cp.send(k, (cp.rank + 1) % cp.size)
+        return out, lse
+
+    assert rehearse_ring(same_side) == (
+        "rank 0 receives from rank 1, which sends its block to rank 2: rank 0 would wait forever"
+    )
+    assert rehearse_ring(no_send).startswith("rank 0 never sends its K/V block (cp.send)")
+    assert "a block is K and V as one float32 message" in rehearse_ring(two_messages)
+
+    def receive_first(q, k, v, out, lse, positions, cp):
+        kv = np.stack([k, v])
+        received = cp.irecv(np.empty_like(kv), (cp.rank - 1) % cp.size).wait()
+        cp.send(kv, (cp.rank + 1) % cp.size)
+        return merge(out, lse, *attention(q, received[0], received[1], positions[cp.rank],
+                                          positions[(cp.rank - 1) % cp.size]))  # fmt: skip
+
+    assert rehearse_ring(receive_first).startswith("rank 0 waits for its receive before it sends")

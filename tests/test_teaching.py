@@ -15,10 +15,12 @@ import pytest
 from test_exercises import numel, wrong_attention  # notebook 14's usual wrong answers
 
 from fsdp_lesson import checks
+from fsdp_lesson.attention import merge
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.exercises import (
     checkpoints,
     communication,
+    context,
     data_parallel,
     dataset,
     fsdp_practice,
@@ -290,6 +292,20 @@ LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
         lambda: transformer.check_block_shard_bytes(lambda e, f, n: 4 * -(-(numel(e, f) + e) // n)),
         lambda: transformer.check_block_shard_bytes(lambda e, f, n: 4 * numel(e, f) / n),
     ],
+    "15": [
+        lambda: context.check_merge(lambda o1, l1, o2, l2: ((o1 + o2) / 2, np.logaddexp(l1, l2))),
+        lambda: context.check_merge(
+            lambda o1, l1, o2, l2: (
+                np.exp(l1 - np.maximum(l1, l2))[..., None] * o1
+                + np.exp(l2 - np.maximum(l1, l2))[..., None] * o2,
+                np.logaddexp(l1, l2),
+            )
+        ),
+        lambda: context.check_merge(
+            lambda o1, l1, o2, l2: (merge(o1, l1, o2, l2)[0], np.maximum(l1, l2))
+        ),
+        lambda: context.check_merge(lambda o1, l1, o2, l2: (merge(o1, l1, o2, l2)[0], l1 + l2)),
+    ],
 }
 
 
@@ -353,6 +369,11 @@ def hsdp_groups(strided_shards=False, strided_replicas=True):
 CLIP = """def clip_factor(grad_shards, comm, max_norm):
     squares = sum(float(np.dot(g.astype(np.float64), g)) for g in grad_shards.values())
     return min(1.0, max_norm / ({norm} + 1e-6))"""
+RING_15 = """
+from fsdp_lesson.attention import attention, merge
+from fsdp_lesson.comm import Comm
+cp = Comm.world()
+"""  # notebook 15's setup %%px cell: the ring of exercise B
 CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
     "03": [
         ("def allreduce_mean(comm, buf):\n    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)\n"
@@ -392,6 +413,28 @@ CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
                                                       ModelConfig(layers=4, hidden=256))),
         ("", lambda ranks: fsdp_practice.check_groups(ranks, hsdp_groups(strided_replicas=False),
                                                       ModelConfig(layers=4, hidden=256))),
+    ],
+    "15": [
+        (RING_15 + "def my_ring_step(q, k, v, out, lse, positions, cp):\n"
+         "    kv = np.stack([k, v])\n    received = np.empty_like(kv)\n"
+         "    cp.send(kv, (cp.rank + 1) % cp.size)\n"
+         "    cp.irecv(received, (cp.rank + 1) % cp.size).wait()\n    return out, lse",
+         context.check_ring_step),
+        (RING_15 + "def my_ring_step(q, k, v, out, lse, positions, cp):\n"
+         "    kv = np.stack([k, v])\n    received = np.empty_like(kv)\n"
+         "    before = (cp.rank + 1) % cp.size\n"
+         "    sending = cp.send(kv, (cp.rank - 1) % cp.size)\n"
+         "    cp.irecv(received, before).wait()\n    sending.wait()\n"
+         "    part = attention(q, received[0], received[1], positions[cp.rank],\n"
+         "                     positions[before])\n"
+         "    return merge(out, lse, *part)", context.check_ring_step),
+        (RING_15 + "def my_ring_step(q, k, v, out, lse, positions, cp):\n"
+         "    kv = np.stack([k, v])\n    received = np.empty_like(kv)\n"
+         "    before = (cp.rank - 1) % cp.size\n"
+         "    sending = cp.send(kv, (cp.rank + 1) % cp.size)\n"
+         "    cp.irecv(received, before).wait()\n    sending.wait()\n"
+         "    return attention(q, received[0], received[1], positions[cp.rank], positions[before])",
+         context.check_ring_step),
     ],
 }  # fmt: skip
 

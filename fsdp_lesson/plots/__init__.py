@@ -22,6 +22,7 @@ memory         memory_bars({"dp": [peak of rank 0, ...]}, ...)    per-rank bytes
                activation_vs_sequence(s, ledger, counted)         activations against s (14)
                memory_timeline, gathered_units                    live bytes over one step's events
 mesh           mesh_memory({"405B": 1024}, recompute=True)        the (dp, tp, pp) meshes that fit
+context        ring_balance({"zigzag": scores}, {"zigzag": secs})  ring attention's work per cp rank
 pipeline       pipeline_lanes(records), bubble_curves((2, 4))     stages' ops and idle; the bubble
 shards         shard_layout({"fc1": FlatParam, ...}), rank_shards each layer's flat vector by owner
 _style         formula_legend(fig), KB, the colours               what the pictures share
@@ -39,6 +40,7 @@ from ._style import (
 from .cluster import cluster_picture, hosts_picture
 from .collectives import RING_LEGEND, RING_OUTLINE, collective_picture, ring_moves, ring_steps
 from .communication import commbench_fits, latency_or_bandwidth, traffic_bars
+from .context import ring_balance
 from .data import batch_by_rank, name_statistics, token_rows
 from .memory import (
     CATEGORY_COLORS,
@@ -104,6 +106,7 @@ __all__ = [
     "pipeline_lanes",
     "precision_curves",
     "rank_shards",
+    "ring_balance",
     "ring_moves",
     "ring_steps",
     "running_mean",
