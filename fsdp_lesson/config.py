@@ -447,10 +447,9 @@ def check_ranks(tc: TrainConfig, world_size: int) -> None:
         f"groups: use a divisor of {dp}",
     )
     _require(
-        tc.strategy != "single" or dp * tc.cp == 1,
-        f"strategy 'single' runs on one rank, but this run has {dp} {ranks}"
-        + (f" times --cp {tc.cp}, which the strategy runs over too" if tc.cp > 1 else "")
-        + ": use --strategy dp (or zero1/zero2/zero3), or run without mpiexec",
+        tc.strategy != "single" or dp == 1,
+        f"strategy 'single' keeps one copy of the model, but this run has {dp} {ranks}"
+        ": use --strategy dp (or zero1/zero2/zero3), or run without mpiexec",
     )
     _require(
         dp <= tc.batch,

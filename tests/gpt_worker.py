@@ -39,6 +39,7 @@ RUNS = {
         "cp2-zero3": dict(strategy="zero3", cp=2),
         "cp2-contiguous-zero2-adam": dict(strategy="zero2", cp=2, cp_layout="contiguous", **ADAM),
         "cp4-dp-ring": dict(strategy="dp", cp=4, collectives="ring"),
+        "cp4": dict(strategy="single", cp=4),  # `--cp 4` alone: single averages over cp
         "tp2-cp2-zero3": dict(strategy="zero3", tp=2, cp=2),
         "tp2-cp2-sp-zero1": dict(strategy="zero1", tp=2, cp=2, sequence_parallel=True),
         # no evaluation and no sampling: every K/V send is a training step's (test_gpt counts them)

@@ -110,9 +110,10 @@ def test_flags_that_split_a_sequence_are_refused_with_the_fix(model, train, says
         check_model_options(model, TrainConfig(**train))
 
 
-def test_single_is_refused_on_context_parallel_ranks():
-    with pytest.raises(ConfigError, match="times --cp 2, which the strategy runs over too"):
-        TrainConfig(cp=2).validate(2)
+def test_single_runs_on_context_parallel_ranks_but_not_on_data_parallel_ones():
+    TrainConfig(cp=2).validate(2)  # one copy of the model, its sequences cut in two
+    with pytest.raises(ConfigError, match="has 2 data-parallel ranks .*use --strategy dp"):
+        TrainConfig(cp=2).validate(4)
 
 
 def test_replicate_and_cp_are_refused_together():

@@ -1,4 +1,8 @@
-"""single: every parameter, gradient and optimizer state on one rank: the reference."""
+"""single: every parameter, gradient and optimizer state on one rank: the reference.
+
+With context parallelism alone (`--cp C`, dp = 1) the one copy of the model runs on C ranks, each
+holding a slice of every sequence; their gradients are averaged (reduce_grads).
+"""
 
 from __future__ import annotations
 
@@ -33,6 +37,13 @@ class Single(Strategy):
     def grad_buffer(self, layer) -> Params:
         """The layer's whole gradient; after the first micro-batch, added to (accumulation)."""
         return self.precision.grad_target(layer, self.grad_views[layer.name], self.micro > 0)
+
+    def reduce_grads(self, layer) -> None:
+        """With context parallelism alone (dp = 1, cp = C: the ranks single runs over) each rank
+        computed the gradient of its slice of every sequence, and their mean is the sequences'
+        (Megatron averages over cp too when dp is 1). On one rank there is nothing to do."""
+        if self.comm.size > 1 and self.reducing_now:
+            self.comm.allreduce_mean(self.grads[layer.name], layer.name)
 
     def step(self) -> None:
         if self.precision.overflowed(self.mesh.world, self.grads.values()):
