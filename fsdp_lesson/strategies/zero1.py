@@ -15,9 +15,12 @@ class ZeRO1(Single):
     """Full (padded) params and grads on every rank; optimizer state for the owned shard only.
 
     Allocation (by the sharding table's row) and the hooks are single's: what differs is
-    the step."""
+    the step, which reduces the gradients itself."""
 
     name = "zero1"
+
+    def reduce_grads(self, layer) -> None:
+        """Nothing after backward (not single's mean over cp ranks): step reduce-scatters."""
 
     def owned_grad(self, name: str):
         """The mean over ranks of this rank's slice of the layer's gradient."""
