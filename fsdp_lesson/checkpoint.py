@@ -44,6 +44,7 @@ from .model import MLP
 from .rng import Rng
 from .sharding import STRATEGIES
 from .strategies import STRATEGY_CLASSES, Strategy
+from .strategies.base import where_held
 from .watchdog import in_phase
 
 FORMAT = 5  # 5: whole layers, each with the ranks that wrote it (4: a plain run's, still read)
@@ -93,13 +94,15 @@ def whole_model(strategy: Strategy) -> MLP:
 def layer_vector(strategy: Strategy, layer, what: str) -> np.ndarray:
     """A layer's whole vector of one state ("params", "m") as single-rank training lays it out:
     gathered over dp if sharded, cut from its zero3 unit, tp pieces joined (layer.whole)."""
-    name, keys = strategy.held_as(layer.name, {k: k for k in layer.shapes})  # zero3: "fc1.W"
+    name, keys = where_held(strategy.layout, layer.name)  # zero3's unit: "fc1.W"
+    if name is None:  # no parameters: an empty vector, as every rank finds
+        return np.zeros(0, np.float32)
     entry, flat = strategy.local_state()[f"{name}.{what}"], strategy.layout[name]
     vector = entry.array
     if entry.sharded:  # an allgather over the ranks that shard it (HSDP: this rank's group)
         vector = strategy.shard_comm.allgather(vector, np.empty(flat.padded_numel, vector.dtype))
     views = flat.views(vector)
-    piece = {k: views[key] for key, k in keys.items()}
+    piece = {param: views[key] for param, key in keys.items()}
     return FlatParam(layer.whole_shapes).flatten(layer.whole(piece))
 
 

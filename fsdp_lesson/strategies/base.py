@@ -54,6 +54,27 @@ def placements(strategy: Strategy, sharded: bool, tp: Placement) -> dict[str, Pl
     return {dim: along.get(dim, Replicate()) for dim in strategy.state_mesh.dims}
 
 
+def owner(key: str, entry: str) -> tuple[str, str]:
+    """(layer, parameter) of a key in a layout entry: "W" in entry "fc1" is fc1's; an entry
+    that holds several layers (a zero3 unit) keys them "fc1.W"."""
+    layer, _, param = key.rpartition(".")
+    return layer or entry, param
+
+
+def where_held(layout: dict[str, FlatParam], layer: str) -> tuple[str | None, dict[str, str]]:
+    """The layout entry that holds a layer's parameters, and each parameter's key in it; None
+    for a layer without parameters (relu), whose state is empty wherever it is."""
+    for entry, flat in layout.items():
+        keys = {}
+        for key in flat.shapes:
+            held_by, param = owner(key, entry)
+            if held_by == layer:
+                keys[param] = key
+        if keys:
+            return entry, keys
+    return None, {}
+
+
 def state_regions(strategy: Strategy, name: str, array: np.ndarray, sharded: bool) -> list[Region]:
     """Where a layout entry's local array (its whole vector, or this rank's shard) lies in the
     entry's flat vector, parameter by parameter, with each one's placements (padding lies in
@@ -64,8 +85,7 @@ def state_regions(strategy: Strategy, name: str, array: np.ndarray, sharded: boo
     layers = {layer.name: layer for layer in strategy.model.layers}
     start, regions = strategy.shard_comm.rank * array.size if sharded else 0, []
     for key, first, end, _ in strategy.layout[name].spans:
-        layer, _, param = key.rpartition(".")  # a zero3 unit's keys are "layer.param"
-        layer = layer or name
+        layer, param = owner(key, name)
         lo, hi = max(start, first), min(start + array.size, end)
         if lo < hi:
             along = placements(strategy, sharded, layers[layer].placement(param))
@@ -220,13 +240,12 @@ class Strategy:
         for layer in self.model.layers:
             self.keep_initial(layer.name, layer.piece(params[layer.name]))
 
-    def held_as(self, layer: str, arrays: Params) -> tuple[str, Params]:
-        """The layout entry holding a layer's parameters, the arrays keyed as its FlatParam's."""
-        return layer, arrays
-
     def keep_initial(self, layer: str, arrays: Params) -> None:
         """Copy one layer's initial values into this rank's parameters: all, or its shard."""
-        name, arrays = self.held_as(layer, arrays)
+        name, keys = where_held(self.layout, layer)
+        if name is None:
+            return
+        arrays = {keys[param]: array for param, array in arrays.items()}
         entries = [self.params_entry(name)]
         if self.mixed:  # the master and its 16-bit copy
             entries.append(self.sixteen_bit(name))

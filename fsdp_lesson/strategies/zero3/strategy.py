@@ -99,9 +99,6 @@ class ZeRO3(Strategy):
     def param_arrays(self):
         return self.param_shards
 
-    def held_as(self, layer: str, arrays: Params) -> tuple[str, Params]:
-        return self.unit_of[layer].name, {f"{layer}.{k}": v for k, v in arrays.items()}
-
     def keep_initial(self, layer: str, arrays: Params) -> None:
         super().keep_initial(layer, arrays)
         if self.local_biases is not None:
