@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fsdp_lesson import checks
+from fsdp_lesson import checks, plan
 from fsdp_lesson.attention import attention, merge
+from fsdp_lesson.commbench import tcp_payload_rate
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.data import Dataset, GlobalBatchSampler
 from fsdp_lesson.exercises import (
@@ -22,6 +24,7 @@ from fsdp_lesson.exercises import (
     context,
     dataset,
     fsdp_practice,
+    many_hosts,
     memory,
     pipeline,
     single_rank,
@@ -82,6 +85,57 @@ def test_smallest_n_checkers_pass_the_key_and_name_each_mistake(capsys, student)
     assert dp_finite.startswith("✗ smallest_n: dp, Ψ = 7 B, 40 GiB: a finite N")
     assert "16" not in dp_finite.split("—")[1]  # the hint asks, it gives no formula
     assert "not solved yet" in stub
+
+
+FAST_STEP, CABLE_BYTES = 0.012, 2.6e6  # notebook 13's fast step (s) and one cable's bytes
+
+
+def key_prediction(fast_step, cable_bytes, bits_per_second):
+    return fast_step + cable_bytes / tcp_payload_rate(bits_per_second)
+
+
+def test_the_prediction_checker_names_bits_headers_and_the_missing_compute(capsys, student):
+    def check(predict):
+        return many_hosts.check_prediction(predict, FAST_STEP, CABLE_BYTES)
+
+    assert check(key_prediction)
+    assert lines(capsys) == [
+        "✓ a link that costs nothing: correct",
+        "✓ predicted step at 300 Mbit/s: correct",
+    ]
+    wrong = {
+        "too small by a factor of 8: bytes divided by bits per second": lambda f, c, b: (
+            f + c / tcp_payload_rate(b) / 8
+        ),
+        "too small by about 4 %: the frames' headers are left out": lambda f, c, b: f + 8 * c / b,
+        "too small by a factor of about 8.4: bytes divided by bits per second, and no headers": (
+            lambda f, c, b: f + c / b
+        ),
+        "too large by a factor of 8: the bytes made bits twice": lambda f, c, b: (
+            f + 8 * c / tcp_payload_rate(b)
+        ),
+        "the bytes multiplied by the rate": lambda f, c, b: (
+            f  # nothing on a free link
+            + c * tcp_payload_rate(b) * (b < 1e12)
+        ),
+        "too large — bits or bytes?": lambda f, c, b: f + 1.5 * c / tcp_payload_rate(b),
+    }
+    for how, predict in wrong.items():
+        assert not check(predict)
+        out = lines(capsys)
+        assert out[-1].startswith(f"✗ predicted step at 300 Mbit/s: the link's time is {how}"), out
+    assert not check(lambda f, c, b: c / tcp_payload_rate(b))  # the compute left out
+    assert not check(lambda f, c, b: 2 * f + c / tcp_payload_rate(b))
+    assert not check(lambda f, c, b: None)
+    assert not check(lambda f, c, b: "soon")
+    compute, twice, stub, text = lines(capsys)
+    assert compute.startswith("✗ a link that costs nothing: about 0 s, the fast link's step left")
+    assert twice.startswith("✗ a link that costs nothing: too large, where the fast link's step")
+    assert stub == "✗ predicted step at 300 Mbit/s: not solved yet"
+    assert "a str, where seconds" in text
+    right = key_prediction(FAST_STEP, CABLE_BYTES, many_hosts.ASKED) - FAST_STEP
+    for shown in (f"{right:.3f}", f"{1e3 * right:.1f}", f"{1e3 * right:.0f}"):
+        assert shown not in " ".join(lines(capsys)), "a line gives the expected link time"
 
 
 def test_hiding_batch_checker_names_the_stage_and_hides_the_formula(capsys, student):
@@ -312,12 +366,6 @@ def test_tp_verdict_names_the_mistake_the_shape_and_the_extra_allreduce(capsys, 
     assert "not solved yet" in stub
 
 
-NOT_YET_MOVED = {  # notebook -> checkers still defined in its cells (issue 34)
-    "07": {"check_state_bytes"},
-    "13": {"check_prediction"},
-}
-
-
 def test_no_notebook_defines_a_checker_of_its_own():
     """A checker defined in a notebook's cell is in the student copy too, with the expected
     answer computed in view (hidden cells are only collapsed): every checker lives in
@@ -325,14 +373,13 @@ def test_no_notebook_defines_a_checker_of_its_own():
     import nbformat
 
     for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        number = path.name[:2]
         code = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
         defined = {
             name
             for source in code
             for name in re.findall(r"^def ((?:check|try)_\w*)\(", source, re.M)
         }
-        assert defined <= NOT_YET_MOVED.get(number, set()), (
+        assert not defined, (
             f"{path.name} defines {sorted(defined)}: move them to fsdp_lesson/exercises"
         )
 
@@ -528,3 +575,86 @@ def test_the_ring_step_rehearsal_stops_what_would_hang_or_cannot_be_a_block():
                                           positions[(cp.rank - 1) % cp.size]))  # fmt: skip
 
     assert rehearse_ring(receive_first).startswith("rank 0 waits for its receive before it sends")
+
+
+# --- on the cluster: each checker whose answer runs on the engines, given the usual mistakes --
+
+
+def px_cells(notebook: str, keep) -> list[str]:
+    """The code of a notebook's %%px cells (magic line dropped) whose source keep() accepts."""
+    import nbformat
+
+    path = next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb"))
+    return [
+        cell.source.removeprefix("%%px\n")
+        for cell in nbformat.read(path, as_version=4).cells
+        if cell.cell_type == "code" and cell.source.startswith("%%px") and keep(cell.source)
+    ]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One 4-engine cluster for this module's cluster tests (its own profile)."""
+    from fsdp_lesson.cluster import connect
+
+    with connect(n=4, profile="exercises", timeout=120) as ranks:
+        yield ranks
+
+
+def on_engines(ranks, code: str) -> None:
+    ranks.view.execute(textwrap.dedent(code), block=True)
+
+
+def guide_text() -> str:
+    return " ".join((ROOT / "docs" / "teaching.md").read_text().split())
+
+
+def key_state_and_buffer_bytes(strategy, model_config, n, pad=True, buffers="", optimizer=8):
+    """Exercise 07-1's key (the notebook's solution), or a usual mistake."""
+    sizes = plan.layer_sizes(model_config)
+    init = 4 * max(sizes)
+    if strategy == "dp":
+        return {"params": 4 * sum(sizes), "grads": 4 * sum(sizes),
+                "optimizer": optimizer * sum(sizes), "buffers": init}  # fmt: skip
+    padded = [-(-size // n) * n if pad else size for size in sizes]
+    whole, shard, largest = 4 * sum(padded), 4 * sum(padded) // n, 4 * max(padded)
+    stage = int(strategy[-1])
+    return {
+        "params": shard if stage >= 3 else whole,
+        "grads": shard if stage >= 2 else whole,
+        "optimizer": optimizer * sum(padded) // n,
+        "buffers": {
+            1: init,
+            2: largest + init if buffers == "sum" else max(largest, init),
+            3: max(largest if buffers == "once" else 2 * largest, init),
+        }[stage],
+    }
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_state_and_buffer_bytes_names_each_mistake_against_live_ledgers(engines, capsys, student):
+    def check(**mistake):
+        return memory.check_state_and_buffer_bytes(
+            lambda s, c, n: key_state_and_buffer_bytes(s, c, n, **mistake), engines
+        )
+
+    assert check()
+    assert lines(capsys) == [
+        "✓ state_and_buffer_bytes: correct — every category of every rank's ledger"
+    ]
+    mistakes = {
+        "the unpadded size": {"pad": False},
+        "initialisation's layer added to the gradient buffer": {"buffers": "sum"},
+        "one layer's gathered parameters alone": {"buffers": "once"},
+        "12 bytes a parameter: the paper's fp32 master copy": {"optimizer": 12},
+    }
+    guide = guide_text()
+    for how, mistake in mistakes.items():
+        assert not check(**mistake)
+        first, detail, _ = lines(capsys)
+        assert first.startswith("✗ state_and_buffer_bytes: ") and first.endswith("differ")
+        assert detail.startswith("  every rank, ") and f": {how}" in detail, detail
+        assert detail.strip() in guide, f"teaching.md 07 should quote {detail.strip()!r}"
+    assert not memory.check_state_and_buffer_bytes(lambda s, c, n: None, engines)
+    assert lines(capsys) == ["✗ state_and_buffer_bytes: not solved yet"]
