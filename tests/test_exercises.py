@@ -733,7 +733,9 @@ def test_sent_bytes_names_the_configuration_the_kind_and_the_factor(engines, cap
     wrong = {
         "✗ K=2, reshard=False: allgather: too large by a factor of 2": dict(gathers=2),
         "✗ K=3, reshard=True: allgather: too small by a factor of 2": dict(gathers=1),
-        "✗ K=2, reshard=False: allgather: too large —": dict(ring=False),
+        "✗ K=2, reshard=False: allgather and reduce_scatter: too large by N/(N-1)": dict(
+            ring=False
+        ),
         "✗ K=2, reshard=False: allgather: too small by a factor of 4": dict(shard=True),
     }
     for start, mistake in wrong.items():
@@ -743,6 +745,8 @@ def test_sent_bytes_names_the_configuration_the_kind_and_the_factor(engines, cap
         out = lines(capsys)
         assert out[-1].startswith(start), out
         assert "(N-1)/N of the bytes per collective; how many allgathers?" in out[-1]
+        if "N/(N-1)" in start:
+            assert out[-1].split(" — ")[0] in guide_text(), "teaching.md 06 should quote it"
     assert not fsdp_practice.check_sent_bytes(engines, lambda u, n, r: None, deep, quick)
     assert lines(capsys) == ["✗ sent bytes: not solved yet"]
 
@@ -784,6 +788,8 @@ def test_traffic_per_step_names_the_stage_the_kind_and_the_mistake(engines, caps
         assert out[0] == "✗ traffic_per_step differs from what Comm counted:"
         assert out[1].startswith(start), out
         assert all(line.startswith("  ") and ", every rank: " in line for line in out[1:-1]), out
+        if "element" not in mistake and "ring" not in mistake:  # the guide quotes these whole
+            assert out[1].strip() in guide_text(), f"teaching.md 08 should quote {out[1]!r}"
 
 
 @pytest.mark.cluster
@@ -804,6 +810,7 @@ def test_allgather_calls_names_the_pass_and_the_relu(engines, capsys, student):
     assert relu.startswith("✗ allgather calls (zero3, zero2): the layers without parameters")
     assert stub == "✗ allgather calls (zero3, zero2): not solved yet"
     assert str(2 * with_params) not in " ".join((one_pass, relu))
+    assert relu in guide_text(), f"teaching.md 08 should quote {relu!r}"
 
 
 PIECES_11 = """
@@ -856,6 +863,8 @@ def test_tensor_parallel_checkers_name_the_rank_the_array_and_the_mistake(engine
         on_engines(engines, PIECES_11.format(**cuts))
         assert tensor_parallel.check_pieces(engines) is line.startswith("✓")
         assert lines(capsys) == [line]
+        if "'s columns" in line or "th of the columns" in line:  # the guide quotes these
+            assert line in guide_text(), f"teaching.md 11 should quote {line!r}"
     forward = {
         "✓ tp_forward: correct on all 4 ranks, one allreduce each": "tp.allreduce_sum(logits)"
         "\n    logits += p2['b']",
