@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fsdp_lesson import checks
+from fsdp_lesson import checks, plan
 from fsdp_lesson.attention import attention, merge
-from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.commbench import tcp_payload_rate
+from fsdp_lesson.config import ModelConfig, TrainConfig
 from fsdp_lesson.data import Dataset, GlobalBatchSampler
 from fsdp_lesson.exercises import (
     checkpoints,
@@ -22,11 +24,13 @@ from fsdp_lesson.exercises import (
     context,
     dataset,
     fsdp_practice,
+    many_hosts,
     memory,
     pipeline,
     single_rank,
     tensor_parallel,
     transformer,
+    zero3,
 )
 from fsdp_lesson.model import MLP, loss_and_grads
 from fsdp_lesson.pipeline import Stage
@@ -82,6 +86,57 @@ def test_smallest_n_checkers_pass_the_key_and_name_each_mistake(capsys, student)
     assert dp_finite.startswith("✗ smallest_n: dp, Ψ = 7 B, 40 GiB: a finite N")
     assert "16" not in dp_finite.split("—")[1]  # the hint asks, it gives no formula
     assert "not solved yet" in stub
+
+
+FAST_STEP, CABLE_BYTES = 0.012, 2.6e6  # notebook 13's fast step (s) and one cable's bytes
+
+
+def key_prediction(fast_step, cable_bytes, bits_per_second):
+    return fast_step + cable_bytes / tcp_payload_rate(bits_per_second)
+
+
+def test_the_prediction_checker_names_bits_headers_and_the_missing_compute(capsys, student):
+    def check(predict):
+        return many_hosts.check_prediction(predict, FAST_STEP, CABLE_BYTES)
+
+    assert check(key_prediction)
+    assert lines(capsys) == [
+        "✓ a link that costs nothing: correct",
+        "✓ predicted step at 300 Mbit/s: correct",
+    ]
+    wrong = {
+        "too small by a factor of 8: bytes divided by bits per second": lambda f, c, b: (
+            f + c / tcp_payload_rate(b) / 8
+        ),
+        "too small by about 4 %: the frames' headers are left out": lambda f, c, b: f + 8 * c / b,
+        "too small by a factor of about 8.4: bytes divided by bits per second, and no headers": (
+            lambda f, c, b: f + c / b
+        ),
+        "too large by a factor of 8: the bytes made bits twice": lambda f, c, b: (
+            f + 8 * c / tcp_payload_rate(b)
+        ),
+        "the bytes multiplied by the rate": lambda f, c, b: (
+            f  # nothing on a free link
+            + c * tcp_payload_rate(b) * (b < 1e12)
+        ),
+        "too large — bits or bytes?": lambda f, c, b: f + 1.5 * c / tcp_payload_rate(b),
+    }
+    for how, predict in wrong.items():
+        assert not check(predict)
+        out = lines(capsys)
+        assert out[-1].startswith(f"✗ predicted step at 300 Mbit/s: the link's time is {how}"), out
+    assert not check(lambda f, c, b: c / tcp_payload_rate(b))  # the compute left out
+    assert not check(lambda f, c, b: 2 * f + c / tcp_payload_rate(b))
+    assert not check(lambda f, c, b: None)
+    assert not check(lambda f, c, b: "soon")
+    compute, twice, stub, text = lines(capsys)
+    assert compute.startswith("✗ a link that costs nothing: about 0 s, the fast link's step left")
+    assert twice.startswith("✗ a link that costs nothing: too large, where the fast link's step")
+    assert stub == "✗ predicted step at 300 Mbit/s: not solved yet"
+    assert "a str, where seconds" in text
+    right = key_prediction(FAST_STEP, CABLE_BYTES, many_hosts.ASKED) - FAST_STEP
+    for shown in (f"{right:.3f}", f"{1e3 * right:.1f}", f"{1e3 * right:.0f}"):
+        assert shown not in " ".join(lines(capsys)), "a line gives the expected link time"
 
 
 def test_hiding_batch_checker_names_the_stage_and_hides_the_formula(capsys, student):
@@ -312,12 +367,6 @@ def test_tp_verdict_names_the_mistake_the_shape_and_the_extra_allreduce(capsys, 
     assert "not solved yet" in stub
 
 
-NOT_YET_MOVED = {  # notebook -> checkers still defined in its cells (issue 34)
-    "07": {"check_state_bytes"},
-    "13": {"check_prediction"},
-}
-
-
 def test_no_notebook_defines_a_checker_of_its_own():
     """A checker defined in a notebook's cell is in the student copy too, with the expected
     answer computed in view (hidden cells are only collapsed): every checker lives in
@@ -325,14 +374,13 @@ def test_no_notebook_defines_a_checker_of_its_own():
     import nbformat
 
     for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
-        number = path.name[:2]
         code = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
         defined = {
             name
             for source in code
             for name in re.findall(r"^def ((?:check|try)_\w*)\(", source, re.M)
         }
-        assert defined <= NOT_YET_MOVED.get(number, set()), (
+        assert not defined, (
             f"{path.name} defines {sorted(defined)}: move them to fsdp_lesson/exercises"
         )
 
@@ -528,3 +576,324 @@ def test_the_ring_step_rehearsal_stops_what_would_hang_or_cannot_be_a_block():
                                           positions[(cp.rank - 1) % cp.size]))  # fmt: skip
 
     assert rehearse_ring(receive_first).startswith("rank 0 waits for its receive before it sends")
+
+
+# --- on the cluster: each checker whose answer runs on the engines, given the usual mistakes --
+
+
+def px_cells(notebook: str, keep) -> list[str]:
+    """The code of a notebook's %%px cells (magic line dropped) whose source keep() accepts."""
+    import nbformat
+
+    path = next((ROOT / "notebooks").glob(f"{notebook}_*.ipynb"))
+    return [
+        cell.source.removeprefix("%%px\n")
+        for cell in nbformat.read(path, as_version=4).cells
+        if cell.cell_type == "code" and cell.source.startswith("%%px") and keep(cell.source)
+    ]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """One 4-engine cluster for this module's cluster tests (its own profile)."""
+    from fsdp_lesson.cluster import connect
+
+    with connect(n=4, profile="exercises", timeout=120) as ranks:
+        yield ranks
+
+
+def on_engines(ranks, code: str) -> None:
+    ranks.view.execute(textwrap.dedent(code), block=True)
+
+
+def guide_text() -> str:
+    return " ".join((ROOT / "docs" / "teaching.md").read_text().split())
+
+
+def key_state_and_buffer_bytes(strategy, model_config, n, pad=True, buffers="", optimizer=8):
+    """Exercise 07-1's key (the notebook's solution), or a usual mistake."""
+    sizes = plan.layer_sizes(model_config)
+    init = 4 * max(sizes)
+    if strategy == "dp":
+        return {"params": 4 * sum(sizes), "grads": 4 * sum(sizes),
+                "optimizer": optimizer * sum(sizes), "buffers": init}  # fmt: skip
+    padded = [-(-size // n) * n if pad else size for size in sizes]
+    whole, shard, largest = 4 * sum(padded), 4 * sum(padded) // n, 4 * max(padded)
+    stage = int(strategy[-1])
+    return {
+        "params": shard if stage >= 3 else whole,
+        "grads": shard if stage >= 2 else whole,
+        "optimizer": optimizer * sum(padded) // n,
+        "buffers": {
+            1: init,
+            2: largest + init if buffers == "sum" else max(largest, init),
+            3: max(largest if buffers == "once" else 2 * largest, init),
+        }[stage],
+    }
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_state_and_buffer_bytes_names_each_mistake_against_live_ledgers(engines, capsys, student):
+    def check(**mistake):
+        return memory.check_state_and_buffer_bytes(
+            lambda s, c, n: key_state_and_buffer_bytes(s, c, n, **mistake), engines
+        )
+
+    assert check()
+    assert lines(capsys) == [
+        "✓ state_and_buffer_bytes: correct — every category of every rank's ledger"
+    ]
+    mistakes = {
+        "the unpadded size": {"pad": False},
+        "initialisation's layer added to the gradient buffer": {"buffers": "sum"},
+        "one layer's gathered parameters alone": {"buffers": "once"},
+        "12 bytes a parameter: the paper's fp32 master copy": {"optimizer": 12},
+    }
+    guide = guide_text()
+    for how, mistake in mistakes.items():
+        assert not check(**mistake)
+        first, detail, _ = lines(capsys)
+        assert first.startswith("✗ state_and_buffer_bytes: ") and first.endswith("differ")
+        assert detail.startswith("  every rank, ") and f": {how}" in detail, detail
+        assert detail.strip() in guide, f"teaching.md 07 should quote {detail.strip()!r}"
+    assert not memory.check_state_and_buffer_bytes(lambda s, c, n: None, engines)
+    assert lines(capsys) == ["✗ state_and_buffer_bytes: not solved yet"]
+
+
+C_BUG_05 = """
+from mpi4py import MPI
+from fsdp_lesson.config import ModelConfig
+from fsdp_lesson.data import Dataset, GlobalBatchSampler, rank_slice
+from fsdp_lesson.model import MLP
+from fsdp_lesson.rng import make_rng
+comm = MPI.COMM_WORLD
+rank = comm.rank
+data = Dataset.load()
+"""  # what notebook 05's earlier cells left on the engines for its seed_run
+
+
+def c_step1() -> dict[int, float]:
+    """The C FSDP program's printed step-1 loss at N = 2 and 4, as notebook 05 reads it."""
+
+    def step_1(name):
+        rows = (ROOT / "tests" / "fixtures" / name).read_text().splitlines()
+        return [float(row.split()[1]) for row in rows if not row.startswith("#")][1]
+
+    return {2: step_1("c_fsdp_losses.txt"), 4: step_1("c_fsdp_n4_losses.txt")}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_c_reduce_grads_names_which_gradients_were_averaged(engines, capsys, student):
+    on_engines(engines, C_BUG_05 + "\n".join(px_cells("05", lambda s: "def seed_run" in s)))
+    reduce = "def c_reduce_grads(grads, comm):\n{}\n    return grads"
+    answers = {
+        "": "    if 'W' in grads:\n        comm.allreduce_mean(grads['W'])",
+        "step 1 is what the package's dp prints": "    for g in grads.values():\n"
+        "        comm.allreduce_mean(g)",
+        "step 1 shows nothing averaged": "    pass",
+        "step 1 shows the biases averaged and the weights left local": "    if 'b' in grads:\n"
+        "        comm.allreduce_mean(grads['b'])",
+        "step 1 shows the weights' gradients summed, not averaged": "    if 'W' in grads:\n"
+        "        comm.allreduce_sum(grads['W'])",
+        "at N = 4 step 1's loss is too large": "    if 'W' in grads:\n"
+        "        comm.allreduce_mean(grads['W'])\n        grads['W'] *= 0.5",
+    }
+    guide = guide_text()
+    for how, body in answers.items():
+        on_engines(engines, reduce.format(body))
+        assert zero3.check_c_bug(engines, c_step1()) is not bool(how)
+        (line,) = lines(capsys)
+        assert line.startswith(f"✗ c_reduce_grads: {how}" if how else "✓"), line
+        if how.startswith("step 1"):
+            quoted = line.split(" — ")[0]
+            assert quoted in guide, f"teaching.md 05 should quote {quoted!r}"
+    on_engines(engines, "def c_reduce_grads(grads, comm):\n    return None")
+    assert not zero3.check_c_bug(engines, c_step1())
+    assert lines(capsys) == ["✗ c_reduce_grads: not solved yet"]
+
+
+def key_sent_bytes(unit_bytes, n, reshard, gathers=None, ring=True, shard=False):
+    """Exercise 06-2's key, or a usual mistake: the gathers miscounted, no (N-1)/N, or the
+    bytes of a shard where the ring counts the full buffer."""
+    psi = sum(unit_bytes) / (n if shard else 1)
+    share = (n - 1) / n if ring else 1
+    passes = gathers if gathers is not None else (2 if reshard else 1)
+    return {"allgather": passes * share * psi, "reduce_scatter": share * psi}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_sent_bytes_names_the_configuration_the_kind_and_the_factor(engines, capsys, student):
+    deep = ModelConfig(layers=4, hidden=256)
+    quick = TrainConfig(strategy="zero3", steps=10, eval_batches=0, samples=0)
+    assert fsdp_practice.check_sent_bytes(engines, key_sent_bytes, deep, quick)
+    assert lines(capsys) == ["✓ K=2, reshard=False: correct", "✓ K=3, reshard=True: correct"]
+    wrong = {
+        "✗ K=2, reshard=False: allgather: too large by a factor of 2": dict(gathers=2),
+        "✗ K=3, reshard=True: allgather: too small by a factor of 2": dict(gathers=1),
+        "✗ K=2, reshard=False: allgather and reduce_scatter: too large by N/(N-1)": dict(
+            ring=False
+        ),
+        "✗ K=2, reshard=False: allgather: too small by a factor of 4": dict(shard=True),
+    }
+    for start, mistake in wrong.items():
+        assert not fsdp_practice.check_sent_bytes(
+            engines, lambda u, n, r, m=mistake: key_sent_bytes(u, n, r, **m), deep, quick
+        )
+        out = lines(capsys)
+        assert out[-1].startswith(start), out
+        assert "(N-1)/N of the bytes per collective; how many allgathers?" in out[-1]
+        if "N/(N-1)" in start:
+            assert out[-1].split(" — ")[0] in guide_text(), "teaching.md 06 should quote it"
+    assert not fsdp_practice.check_sent_bytes(engines, lambda u, n, r: None, deep, quick)
+    assert lines(capsys) == ["✗ sent bytes: not solved yet"]
+
+
+def key_traffic(strategy, sizes, n, pad=True, ring=True, element=4, dp_passes=2, zero3_gathers=2):
+    """Exercise 08-1's key (bytes one rank sends per step, by kind), or a usual mistake."""
+    share = (n - 1) / n if ring else 1
+    if strategy == "dp":
+        return {"allreduce": dp_passes * share * element * sum(sizes), "allgather": 0.0,
+                "reduce_scatter": 0.0}  # fmt: skip
+    padded = element * sum(-(-size // n) * n if pad else size for size in sizes)
+    gathers = zero3_gathers if strategy == "zero3" else 1
+    return {"allreduce": 0.0, "allgather": gathers * share * padded,
+            "reduce_scatter": share * padded}  # fmt: skip
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_traffic_per_step_names_the_stage_the_kind_and_the_mistake(engines, capsys, student):
+    assert communication.check_traffic(engines, key_traffic)
+    assert lines(capsys) == [
+        "✓ traffic_per_step: correct — every kind on every rank, as Comm counted"
+    ]
+    wrong = {
+        "  zero1 allgather, every rank: the unpadded size": dict(pad=False),
+        "  dp allreduce, every rank: too large by N/(N-1)": dict(ring=False),
+        "  dp allreduce, every rank: too small by a factor of 2: the package's gradients are"
+        " float32": dict(element=2),
+        "  dp allreduce, every rank: too small by a factor of 2: an allreduce is a"
+        " reduce-scatter and an allgather": dict(dp_passes=1),
+        "  zero3 allgather, every rank: too small by a factor of 2: zero3 gathers every layer"
+        " in forward and again in backward": dict(zero3_gathers=1),
+    }
+    for start, mistake in wrong.items():
+        assert not communication.check_traffic(
+            engines, lambda s, z, n, m=mistake: key_traffic(s, z, n, **m)
+        )
+        out = lines(capsys)
+        assert out[0] == "✗ traffic_per_step differs from what Comm counted:"
+        assert out[1].startswith(start), out
+        assert all(line.startswith("  ") and ", every rank: " in line for line in out[1:-1]), out
+        if "element" not in mistake and "ring" not in mistake:  # the guide quotes these whole
+            assert out[1].strip() in guide_text(), f"teaching.md 08 should quote {out[1]!r}"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_allgather_calls_names_the_pass_and_the_relu(engines, capsys, student):
+    from fsdp_lesson.bench import MODELS
+
+    medium = ModelConfig(**MODELS["medium"][0])
+    every = len(plan.layer_sizes(medium))
+    with_params = sum(1 for size in plan.layer_sizes(medium) if size)
+    assert communication.check_allgather_calls(engines, (2 * with_params, with_params), medium)
+    for answer in ((with_params, with_params), (2 * every, every), None):
+        assert not communication.check_allgather_calls(engines, answer, medium)
+    right, one_pass, relu, stub = lines(capsys)
+    assert right == "✓ allgather calls (zero3, zero2): correct"
+    assert one_pass.startswith("✗ allgather calls (zero3, zero2): item 0: too small by a factor"
+                               " of 2 — one allgather per layer with parameters")  # fmt: skip
+    assert relu.startswith("✗ allgather calls (zero3, zero2): the layers without parameters")
+    assert stub == "✗ allgather calls (zero3, zero2): not solved yet"
+    assert str(2 * with_params) not in " ".join((one_pass, relu))
+    assert relu in guide_text(), f"teaching.md 08 should quote {relu!r}"
+
+
+PIECES_11 = """
+def column_piece(whole, r, T):
+    w = whole["W"].shape[1] // T
+    return {{"W": whole["W"][:, {columns}].copy(), "b": whole["b"][{columns}].copy()}}
+
+
+def row_piece(whole, r, T):
+    w = whole["W"].shape[0] // T
+    return {{"W": whole["W"][{rows}].copy(), "b": whole["b"].copy()}}
+"""
+FORWARD_11 = """
+def tp_forward(x, p1, p2, tp):
+    h = x @ p1["W"] + p1["b"]
+    logits = np.maximum(h, 0) @ p2["W"]
+    {reduce}
+    return logits, h
+"""
+BACKWARD_11 = """
+def tp_backward(x, h, p1, p2, dlogits, tp):
+    a = np.maximum(h, 0)
+    g2 = {{"W": a.T @ dlogits, "b": dlogits.sum(axis=0)}}
+    dh = (dlogits @ p2["W"].T) * (h > 0)
+    g1 = {{"W": x.T @ dh, "b": dh.sum(axis=0)}}
+    dx = dh @ p1["W"].T
+    {reduce}
+    return g1, g2, dx
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_tensor_parallel_checkers_name_the_rank_the_array_and_the_mistake(engines, capsys, student):
+    for setup in px_cells("11", lambda s: "SOLUTION" not in s)[:2]:  # the model, then pieces
+        on_engines(engines, setup)
+    block = "r * w:(r + 1) * w"
+    pieces = {
+        "✓ pieces: correct on all 4 ranks": dict(columns=block, rows=block),
+        "✗ pieces: rank 0, fc1.W (column_piece): every 4th of the columns from 0 on: rank r's are"
+        " a block of consecutive ones": dict(columns="r::T", rows=block),
+        "✗ pieces: rank 0, fc1.W (column_piece): rank 1's columns, not rank 0's": dict(
+            columns="(r + 1) % T * w:((r + 1) % T + 1) * w", rows=block
+        ),
+        "✗ pieces: rank 0, fc2.W (row_piece): shape (64, 16), where (16, 27) is expected": dict(
+            columns=block, rows=f":, {block}"
+        ),
+    }
+    for line, cuts in pieces.items():
+        on_engines(engines, PIECES_11.format(**cuts))
+        assert tensor_parallel.check_pieces(engines) is line.startswith("✓")
+        assert lines(capsys) == [line]
+        if "'s columns" in line or "th of the columns" in line:  # the guide quotes these
+            assert line in guide_text(), f"teaching.md 11 should quote {line!r}"
+    forward = {
+        "✓ tp_forward: correct on all 4 ranks, one allreduce each": "tp.allreduce_sum(logits)"
+        "\n    logits += p2['b']",
+        "✗ tp_forward: rank 0, the logits: this rank's share only: g sums the shares of all"
+        " ranks": "logits += p2['b']",
+        "✗ tp_forward: rank 0, the logits: the mean of the shares: g is a sum": "tp.allreduce_sum("
+        "logits)\n    logits /= tp.size\n    logits += p2['b']",
+        "✗ tp_forward: rank 0, the logits: the bias counted T times: add it once, after the"
+        " sum": "logits += p2['b']\n    tp.allreduce_sum(logits)",
+        "✗ tp_forward: rank 0: the values are right, but tp counted 2 allreduce calls": "tp."
+        "allreduce_sum(logits)\n    tp.allreduce_sum(np.zeros(1))\n    logits += p2['b']",
+    }
+    for line, reduce in forward.items():
+        on_engines(engines, FORWARD_11.format(reduce=reduce))
+        assert tensor_parallel.check_tp_forward(engines) is line.startswith("✓")
+        (printed,) = lines(capsys)
+        assert printed.startswith(line), printed
+    backward = {
+        "✓ tp_backward: correct on all 4 ranks, one allreduce each": "tp.allreduce_sum(dx)",
+        "✗ tp_backward: rank 0, dx: only the part through this rank's hidden units": "pass",
+        "✗ tp_backward: rank 0, dx: too small by a factor of 4: f is a sum, not a mean": "tp."
+        "allreduce_sum(dx)\n    dx /= tp.size",
+        "✗ tp_backward: rank 0, fc2's b gradient: too large by a factor of 4": "tp.allreduce_sum("
+        "dx)\n    tp.allreduce_sum(g2['b'])",
+        "✗ tp_backward: rank 0, fc1's W gradient: shape (16, 256), where (256, 16) is"
+        " expected": "tp.allreduce_sum(dx)\n    g1['W'] = g1['W'].T",
+    }
+    for line, reduce in backward.items():
+        on_engines(engines, BACKWARD_11.format(reduce=reduce))
+        assert tensor_parallel.check_tp_backward(engines) is line.startswith("✓")
+        (printed,) = lines(capsys)
+        assert printed.startswith(line), printed

@@ -12,10 +12,16 @@ from pathlib import Path
 import nbformat
 import numpy as np
 import pytest
-from test_exercises import numel, wrong_attention  # notebook 14's usual wrong answers
+from test_exercises import (  # notebook 13's step and bytes, 14's usual wrong answers
+    CABLE_BYTES,
+    FAST_STEP,
+    numel,
+    wrong_attention,
+)
 
 from fsdp_lesson import checks
 from fsdp_lesson.attention import merge
+from fsdp_lesson.commbench import tcp_payload_rate
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.exercises import (
     checkpoints,
@@ -24,6 +30,7 @@ from fsdp_lesson.exercises import (
     data_parallel,
     dataset,
     fsdp_practice,
+    many_hosts,
     memory,
     pipeline,
     single_rank,
@@ -281,6 +288,16 @@ LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
         lambda: pipeline.check_1f1b(lambda P, s, M: schedule_ops("gpipe", P, s, M)),
         lambda: pipeline.check_1f1b(lambda P, s, M: warmup_of(P, s, M, P - s)),
         lambda: pipeline.check_1f1b(lambda P, s, M: warmup_of(P, s, M, P - s - 1)),
+    ],
+    "13": [
+        lambda: many_hosts.check_prediction(
+            lambda f, c, b: f + c / tcp_payload_rate(b) / 8, FAST_STEP, CABLE_BYTES
+        ),
+        lambda: many_hosts.check_prediction(lambda f, c, b: f + 8 * c / b, FAST_STEP, CABLE_BYTES),
+        lambda: many_hosts.check_prediction(lambda f, c, b: f + c / b, FAST_STEP, CABLE_BYTES),
+        lambda: many_hosts.check_prediction(
+            lambda f, c, b: c / tcp_payload_rate(b), FAST_STEP, CABLE_BYTES
+        ),
     ],
     "14": [
         lambda: transformer.check_causal_attention(wrong_attention(masked=False)),

@@ -275,12 +275,17 @@ def check_sent_bytes(ranks, zero3_sent_bytes: Callable, model_config, train_conf
             kind: traffic[kind]["sent_bytes"] / config.steps
             for kind in ("allgather", "reduce_scatter")
         }
-        if not check(
-            f"K={k}, reshard={reshard}",
-            answer,
-            counted,
-            atol=1e-6,
-            hint="(N-1)/N of the bytes per collective; how many allgathers?",
+        hint = "(N-1)/N of the bytes per collective; how many allgathers?"
+        whole = {kind: bytes_ * n / (n - 1) for kind, bytes_ in counted.items()}
+        if (
+            isinstance(answer, dict)
+            and set(answer) == set(counted)
+            and all(abs(answer[kind] - whole[kind]) <= 1e-6 for kind in counted)
         ):
+            return fail(
+                f"✗ K={k}, reshard={reshard}: allgather and reduce_scatter: too large by"
+                f" N/(N-1): a ring sends (N-1)/N of each buffer — {hint}"
+            )
+        if not check(f"K={k}, reshard={reshard}", answer, counted, atol=1e-6, hint=hint):
             return False
     return True

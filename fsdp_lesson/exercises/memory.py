@@ -1,6 +1,7 @@
-"""Notebook 07's planning checkers: the GPUs a 70 B model needs (exercise 2) and from which N
-each stage fits (exercise 3). The expected answers are searches over N with `plan.state_bytes`
-(mixed-precision Adam), so the formula the learner writes appears nowhere in the notebook."""
+"""Notebook 07's checkers: each rank's bytes against live ledgers (exercises 1 and 4), the GPUs
+a 70 B model needs (exercise 2) and from which N each stage fits (exercise 3). The expected
+answers are the engines' ledgers, or searches over N with `plan.state_bytes` (mixed-precision
+Adam), so the formula the learner writes appears nowhere in the notebook."""
 
 from __future__ import annotations
 
@@ -8,9 +9,135 @@ import math
 from collections.abc import Callable
 
 from fsdp_lesson import plan
-from fsdp_lesson.checks import check, fail, how_wrong
+from fsdp_lesson.checks import NOT_SOLVED, check, fail, how_wrong
+from fsdp_lesson.config import ModelConfig
 
 GPU_40 = 40 * 2**30  # what a GPU sold as "40 GB" holds: 40 GiB
+UNSEEN = ModelConfig(layers=2, hidden=50, emb=10)  # exercise 1's model: not shown in 07
+CATEGORIES = ("params", "grads", "optimizer", "buffers")
+
+
+def _figures(
+    strategy: str,
+    sizes: list[int],
+    n: int,
+    *,
+    pad: str = "zero",
+    element: int = 4,
+    state: int = 8,
+    buffers: str = "right",
+) -> dict:
+    """Exercise 1's figures with Adam in float32, or one of its usual mistakes: pad "none" or
+    "all" (dp too), element bytes (2: the paper's fp16), state bytes of Adam per parameter
+    (12: the paper's fp32 master too), buffers "sum" (zero2's gradient plus initialisation's
+    layer), "once" (zero3's parameters only), "no init"."""
+    stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[strategy]
+    padding = pad == "all" or (pad == "zero" and stage > 0)
+    padded = [-(-size // n) * n for size in sizes] if padding else list(sizes)
+    psi = sum(padded)
+    init = 0 if buffers == "no init" else 4 * max(sizes)
+    largest = 4 * max(padded)
+    gather = {"sum": largest + init, "once": largest}.get(buffers, 2 * largest)
+    return {
+        "params": element * psi // (n if stage >= 3 else 1),
+        "grads": element * psi // (n if stage >= 2 else 1),
+        "optimizer": state * psi // (n if stage >= 1 else 1),
+        "buffers": {
+            0: init,
+            1: init,
+            2: max(largest + (init if buffers == "sum" else 0), init),
+            3: max(gather, init),
+        }[stage],
+    }
+
+
+MISTAKES = (  # (what _figures is told, what the line says): the first that matches is named
+    ({"pad": "none"}, "the unpadded size: from zero1 on every layer is padded to a multiple of N"),
+    ({"pad": "all"}, "padded: dp pads nothing, it keeps every layer whole"),
+    ({"element": 2}, "2 bytes an element: this package's parameters and gradients are float32"),
+    (
+        {"state": 12},
+        "12 bytes a parameter: the paper's fp32 master copy; here the parameters"
+        " are float32 already, Adam adds m and v",
+    ),
+    (
+        {"buffers": "sum"},
+        "initialisation's layer added to the gradient buffer: the one is"
+        " freed before the other is allocated",
+    ),
+    ({"buffers": "once"}, "one layer's gathered parameters alone: zero3 holds its gradient too"),
+    (
+        {"buffers": "no init"},
+        "no initialisation: each layer is drawn in float32 before it is"
+        " sharded, the largest held while it is copied",
+    ),
+)
+
+
+def _how(answer, want, strategy: str, category: str, sizes: list[int], n: int) -> str:
+    """How one figure is off: a usual mistake by name, else how_wrong's factor or direction."""
+    for told, words in MISTAKES:
+        if answer == _figures(strategy, sizes, n, **told)[category] != want:
+            return words
+    return how_wrong(answer, want)
+
+
+def _figure_list(found: list[tuple], how: str) -> str:
+    """'zero1 params, grads; zero2 buffers': the figures off in the same way, by strategy."""
+    by_strategy: dict[str, list[str]] = {}
+    for strategy, category, said in found:
+        if said == how:
+            by_strategy.setdefault(strategy, []).append(category)
+    return "; ".join(f"{s} {', '.join(categories)}" for s, categories in by_strategy.items())
+
+
+def check_state_and_buffer_bytes(
+    state_and_buffer_bytes: Callable, ranks, config: ModelConfig = UNSEEN
+) -> bool:
+    """Exercise 1: trains each of dp, zero1, zero2, zero3 (no prefetch) one Adam step on the
+    engines and compares every category of every rank's ledger with the learner's figure,
+    naming strategy, rank, category and how it is off (a usual mistake by name)."""
+    from dataclasses import replace
+
+    from fsdp_lesson.checks import not_solved
+    from fsdp_lesson.cluster import run_on_engine
+    from fsdp_lesson.config import TrainConfig
+
+    name, n = "state_and_buffer_bytes", ranks.n
+    answers = {s: state_and_buffer_bytes(s, config, n) for s in plan.PLANNED}
+    if any(not_solved(answer) for answer in answers.values()):
+        return fail(f"✗ {name}: {NOT_SOLVED}")
+    for strategy, answer in answers.items():
+        if not isinstance(answer, dict) or set(answer) != set(CATEGORIES):
+            return fail(
+                f"✗ {name}: {strategy} returned {type(answer).__name__}"
+                + (f" {sorted(map(str, answer))}" if isinstance(answer, dict) else "")
+                + ","
+                f" where a dict of {', '.join(CATEGORIES)} is expected"
+            )
+    one_step = TrainConfig(optimizer="adam", steps=1, eval_batches=0, samples=0)
+    sizes, wrong = plan.layer_sizes(config), {}  # rank -> [(strategy, category, how)]
+    for strategy, answer in answers.items():
+        run_config = replace(one_step, strategy=strategy, prefetch=strategy != "zero3")
+        results = ranks.run(run_on_engine, config, run_config, timeout=120)
+        for r, ledger in enumerate(result["memory"]["peak"] for result in results):
+            wrong.setdefault(r, []).extend(
+                (strategy, category, _how(answer[category], ledger[category], strategy,
+                                          category, sizes, n))
+                for category in CATEGORIES
+                if answer[category] != ledger[category]
+            )  # fmt: skip
+    if any(wrong.values()):
+        count = sum(map(len, wrong.values()))
+        same = all(found == wrong[0] for found in wrong.values())
+        by_rank = {"every rank": wrong[0]} if same else {f"rank {r}": w for r, w in wrong.items()}
+        lines = [f"  {where}, {_figure_list(found, how)}: {how}"
+                 for where, found in by_rank.items()
+                 for how in dict.fromkeys(how for *_, how in found)]  # fmt: skip
+        print(f"✗ {name}: {count} of the ledgers' figures differ", *lines[:7], sep="\n")
+        return fail(f"  ({name}: see the lines above)")
+    print(f"✓ {name}: correct — every category of every rank's ledger")
+    return True
 
 
 def per_gpu(stage: str, psi: float, n: int) -> float:

@@ -20,26 +20,41 @@ def allreduces_counted(comm) -> tuple[int, int]:
 
 def pieces_on_a_rank() -> list[tuple]:
     """On every rank: the learner's pieces of fc1 (column_piece) and fc2 (row_piece) beside the
-    package's (`layer.piece` of `split`'s layers), as (what, answer, expected)."""
+    package's (`layer.piece` of `split`'s layers), as (what, answer, expected, {how it is
+    wrong: what it would then be}): another rank's piece, or every T-th column (row)."""
     import __main__ as ns
 
-    items = []
-    for layer, cut in ((ns.split.layers[1], ns.column_piece), (ns.split.layers[3], ns.row_piece)):
-        piece = cut(ns.whole[layer.name], ns.rank, ns.T)
-        for key, expected in layer.piece(ns.whole[layer.name]).items():
+    items, T = [], ns.T
+    for layer, cut, axis in ((ns.split.layers[1], ns.column_piece, 1),
+                             (ns.split.layers[3], ns.row_piece, 0)):  # fmt: skip
+        piece, whole = cut(ns.whole[layer.name], ns.rank, T), ns.whole[layer.name]
+        lines = "columns" if axis == 1 else "rows"
+        for key, expected in layer.piece(whole).items():
             answer = piece.get(key) if isinstance(piece, dict) else piece
-            items.append((f"{layer.name}.{key} ({cut.__name__})", answer, expected))
+            mistakes, cut_axis = {}, axis if key == "W" else 0
+            size = whole[key].shape[cut_axis]
+            if expected.shape != whole[key].shape:  # a piece, not kept whole (fc2's bias is)
+
+                def taken(indices, array=whole[key], cut_axis=cut_axis):
+                    return np.take(array, list(indices), axis=cut_axis)
+
+                strided = f"every {T}th of the {lines} from {ns.rank} on: rank r's are a block"
+                mistakes[strided + " of consecutive ones"] = taken(range(ns.rank, size, T))
+                for other in set(range(T)) - {ns.rank}:
+                    block = range(other * size // T, (other + 1) * size // T)
+                    mistakes[f"rank {other}'s {lines}, not rank {ns.rank}'s"] = taken(block)
+            items.append((f"{layer.name}.{key} ({cut.__name__})", answer, expected, mistakes))
     return items
 
 
 def check_pieces(ranks) -> bool:
     """Exercise 1: every rank's pieces against the package's; the first rank and array whose
-    shape or values differ."""
+    shape or values differ, and how (another rank's piece, a stride), never the values."""
     results = ranks.run(pieces_on_a_rank, timeout=60)
-    if any(answer is None for items in results for _, answer, _ in items):
+    if any(answer is None for items in results for _, answer, _, _ in items):
         return check("pieces", None, None)  # the placeholder: "not solved yet"
     for r, items in enumerate(results):
-        for what, answer, expected in items:
+        for what, answer, expected, mistakes in items:
             answer = np.asarray(answer)
             if answer.shape != expected.shape:
                 return fail(
@@ -47,8 +62,12 @@ def check_pieces(ranks) -> bool:
                     f" {expected.shape} is expected"
                 )
             if not np.array_equal(answer, expected):
+                how = next((text for text, wrong in mistakes.items()
+                            if np.array_equal(answer, wrong)), None)  # fmt: skip
                 return fail(
-                    f"✗ pieces: rank {r}, {what}: the right shape, other values — which"
+                    f"✗ pieces: rank {r}, {what}: {how}"
+                    if how
+                    else f"✗ pieces: rank {r}, {what}: the right shape, other values — which"
                     " columns (rows) are rank r's, and which axis of W holds them?"
                 )
     print(f"✓ pieces: correct on all {len(results)} ranks")

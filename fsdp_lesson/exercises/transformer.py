@@ -54,8 +54,7 @@ def attention_mistakes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str,
         " over the keys": _softmax(_scores(q, k, right, 0), 0) @ v,
         "the scores are not scaled: divide q k^T by sqrt(d)": _softmax(_scores(q, k, 1.0, 0), -1)
         @ v,
-        "the scores are divided by d: divide by sqrt(d)": _softmax(_scores(q, k, 1 / d, 0), -1)
-        @ v,
+        "the scores are divided by d: divide by sqrt(d)": _softmax(_scores(q, k, 1 / d, 0), -1) @ v,
         "the mask zeroes the weights after the softmax: mask the scores (with -inf) before it,"
         " so each row still sums to 1": (
             (_softmax(q @ k.T * right, -1) * np.tril(np.ones((len(q), len(k))))) @ v

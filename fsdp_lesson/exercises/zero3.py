@@ -193,32 +193,63 @@ def check_zero3_saving(zero3_saving) -> bool:
     )
 
 
+def _nothing(grads, comm):
+    return grads
+
+
+def _biases_only(grads, comm):
+    if "b" in grads:
+        comm.allreduce_mean(grads["b"])
+    return grads
+
+
+def _weights_summed(grads, comm):
+    if "W" in grads:
+        comm.allreduce_sum(grads["W"])
+    return grads
+
+
+C_MISTAKES = {  # the usual wrong c_reduce_grads, by what its line says
+    "nothing averaged: every rank steps on its own rows' gradient alone": _nothing,
+    "the biases averaged and the weights left local: the other way round": _biases_only,
+    "the weights' gradients summed, not averaged: a step N times too long": _weights_summed,
+}
+
+
 def _c_step1_losses(seed_run, c_reduce_grads, world, pair) -> dict | None:
     # On every rank, with the notebook's %%px seed_run (the C program's setup) and the learner's
     # c_reduce_grads as a DataParallel's reduce_grads: the printed step-1 losses at N = 4
-    # (world) and N = 2 (pair), and the package's dp's (every gradient averaged) for contrast.
-    # None while c_reduce_grads returns None.
+    # (world) and N = 2 (pair), and for contrast the package's dp's (every gradient averaged)
+    # and the usual mistakes'. None while c_reduce_grads returns None.
     from ..strategies.dp import DataParallel
 
-    class Yours(DataParallel):
-        name = "c_reduce"
-        unsolved = False
+    def reducing(reduce):
+        class Reduced(DataParallel):
+            name = "c_reduce"
+            unsolved = False
 
-        def reduce_grads(self, layer):
-            if c_reduce_grads(self.grad_views[layer.name], self.comm) is None:
-                self.unsolved = True
+            def reduce_grads(self, layer):
+                if reduce(self.grad_views[layer.name], self.comm) is None:
+                    self.unsolved = True
 
-    (four, four_losses), (two, two_losses) = seed_run(Yours, world, 2), seed_run(Yours, pair, 2)
+        return Reduced
+
+    yours = reducing(c_reduce_grads)
+    (four, four_losses), (two, two_losses) = seed_run(yours, world, 2), seed_run(yours, pair, 2)
     if four.unsolved or two.unsolved:
         return None
-    (_, dp_four), (_, dp_two) = seed_run(DataParallel, world, 2), seed_run(DataParallel, pair, 2)
-    return {"yours": [four_losses[1], two_losses[1]], "dp": [dp_four[1], dp_two[1]]}
+    step1 = {"yours": [four_losses[1], two_losses[1]]}
+    others = [("dp", DataParallel)] + [(how, reducing(f)) for how, f in C_MISTAKES.items()]
+    for label, strategy in others:
+        step1[label] = [seed_run(strategy, comm, 2)[1][1] for comm in (world, pair)]
+    return step1
 
 
 def check_c_bug(ranks, c_step1: dict[int, float]) -> bool:
     """Exercise 2: the engines' `c_reduce_grads(grads, comm)` in a DataParallel run by their
     `seed_run` at N = 4 and N = 2; its printed step-1 losses (six decimals) against the C FSDP
-    program's (`c_step1`, by N: what the notebook read from its traces)."""
+    program's (`c_step1`, by N: what the notebook read from its traces). A usual mistake is
+    named by what it does; else each N's loss is said too large or too small."""
     name = "c_reduce_grads"
     found = ranks.run(
         _c_step1_losses,
@@ -231,15 +262,21 @@ def check_c_bug(ranks, c_step1: dict[int, float]) -> bool:
     if found is None:
         return fail(f"✗ {name}: {NOT_SOLVED}")
     printed = {label: [f"{loss:f}" for loss in losses] for label, losses in found.items()}
-    if printed["yours"] == printed["dp"] != [f"{c_step1[4]:f}", f"{c_step1[2]:f}"]:
+    if printed["yours"] == [f"{c_step1[4]:f}", f"{c_step1[2]:f}"]:
+        print(f"✓ {name}: correct")
+        return True
+    if printed["yours"] == printed["dp"]:
         return fail(
             f"✗ {name}: step 1 is what the package's dp prints, every gradient averaged;"
             " C's FSDP printed something else: which gradients did it really average?"
         )
-    return check(
-        name,
-        printed["yours"],
-        [f"{c_step1[4]:f}", f"{c_step1[2]:f}"],
-        hint="the step-1 loss at N = 4 and N = 2 as C prints it; step 0 agrees, so "
-        "the forward is right: which gradients are really averaged?",
-    )
+    hint = "step 0 agrees, so the forward is right: which gradients are really averaged?"
+    for how in C_MISTAKES:
+        if printed["yours"] == printed[how]:
+            return fail(f"✗ {name}: step 1 shows {how} — {hint}")
+    off = [
+        f"at N = {n} step 1's loss is {'too large' if mine > c else 'too small'}"
+        for n, mine, c in zip((4, 2), found["yours"], (c_step1[4], c_step1[2]), strict=True)
+        if f"{mine:f}" != f"{c:f}"
+    ]
+    return fail(f"✗ {name}: {'; '.join(off)} — {hint}")
