@@ -84,8 +84,18 @@ def layer_norm_backward(dy: np.ndarray, saved: tuple, g: np.ndarray, grads: tupl
 
 
 def gelu(u: np.ndarray) -> np.ndarray:
-    """GELU, tanh form (GPT-2's): 0.5 u (1 + tanh(c (u + 0.044715 u^3)))."""
-    return 0.5 * u * (1 + np.tanh(GELU_C * (u + np.float32(0.044715) * u * u * u)))
+    """GELU, tanh form (GPT-2's): 0.5 u (1 + tanh(c (u + 0.044715 u^3))), in one buffer (see
+    gelu_backward)."""
+    t = u * u
+    t *= np.float32(0.044715)
+    t += 1
+    t *= u
+    t *= GELU_C
+    np.tanh(t, out=t)
+    t += 1
+    t *= u
+    t *= np.float32(0.5)
+    return t
 
 
 def gelu_backward(u: np.ndarray, dy: np.ndarray) -> np.ndarray:
