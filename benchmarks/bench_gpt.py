@@ -26,7 +26,9 @@ and where the step's time goes (bench_speed.PhaseClock: the layers' forward and 
 the optimizer's update, collectives, the rest), with what the step's collectives take as bare
 mpi4py calls in a loop (bench_speed's "MPI alone"): the collectives' time beyond it is waiting
 for the other rank. The products are timed before and after each run and the faster taken,
-so a moment of load does not lift the floor. Each figure is the median of --reps runs (each
+so a moment of load does not lift the floor. Last, one block's forward and backward against
+its products alone, alternating in one process: the package's compute overhead, a ratio that
+holds on a loaded machine. Each figure is the median of --reps runs (each
 its own mpiexec); the ratio is theirs. --quick: 3 steps, one run, the
 same model (about 2 minutes on 2 busy cores). Smaller models (--emb ...) run in seconds: what
 tests/test_bench_gpt.py does.
@@ -97,6 +99,30 @@ def tp_sharded_params(config, tp: int) -> int:
     block = next(layer for layer in model.layers if isinstance(layer, Block))
     sharded = sum(int(np.prod(block.whole_shapes[key])) for key in Block.TP_PLACEMENTS)
     return sharded * config.layers * (tp - 1) // tp
+
+
+def block_against_products(shape: dict[str, int], rows: int, rounds: int = 12) -> tuple:
+    """One transformer block's forward and backward (the package's, ms) and its products alone
+    (ms), alternating in this one process so that both see the same load: medians of rounds."""
+    from fsdp_lesson import gpt
+    from fsdp_lesson.config import ModelConfig
+    from fsdp_lesson.rng import make_rng
+
+    config = ModelConfig(model="gpt", **(shape | {"layers": 1}))
+    block = gpt.GPT(config).layers[1]
+    rng = make_rng(0, False)
+    p = {k: gpt.initial_transformer(k, shape, rng) for k, shape in block.shapes.items()}
+    g = {k: np.empty(shape, np.float32) for k, shape in block.shapes.items()}
+    x = rng.uniform(rows * config.seq_len * config.emb).reshape(rows, -1)
+    products = gpt_products(config, rows, 1)[:-3]  # without the head's three
+    layer_ms, products_alone = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out, saved = block.forward(p, x)
+        block.backward(p, saved, out, g)
+        layer_ms.append((time.perf_counter() - start) * 1e3)
+        products_alone.append(products_ms(products, repeats=1))
+    return statistics.median(layer_ms), statistics.median(products_alone)
 
 
 def worker(steps: int, shape: dict[str, int]) -> None:
@@ -215,9 +241,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="the blocks' MLP width")
     parser.add_argument("--layers", type=int, default=13, help="transformer blocks")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--worker", choices=["gpt"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["gpt", "block"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = {k: getattr(args, k) for k in SHAPE_FLAGS}
+    if args.worker == "block":  # --steps carries the rows
+        layer, alone = block_against_products(shape, args.steps)
+        return print(json.dumps({"layer_ms": layer, "products_ms": alone}))
     if args.worker:
         return worker(args.steps, shape)
     if args.quick:
@@ -225,6 +254,13 @@ def main() -> None:
     os.environ.update(rank_env())  # the ranks' environment (fsdp_lesson/launch.py)
     start = time.perf_counter()
     table(args)
+    rows = 32 // 2  # on a rank of its own, as the ranks run (one BLAS thread)
+    [r] = worker_rows(1, "block", rows, __file__, *(f"--{k}={v}" for k, v in shape.items()))
+    layer, alone = r["layer_ms"], r["products_ms"]
+    print(
+        f"one block alone at N = 2's {rows} rows, alternating with its products in one process "
+        f"(median of 12): {layer:.1f} ms against {alone:.1f} ms, {layer / alone:.2f}x; {load()}"
+    )
     print(f"({time.perf_counter() - start:.0f} s)")
 
 
