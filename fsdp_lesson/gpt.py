@@ -84,19 +84,54 @@ def layer_norm_backward(dy: np.ndarray, saved: tuple, g: np.ndarray, grads: tupl
 
 
 def gelu(u: np.ndarray) -> np.ndarray:
-    """GELU, tanh form (GPT-2's): 0.5 u (1 + tanh(c (u + 0.044715 u^3)))."""
-    return 0.5 * u * (1 + np.tanh(GELU_C * (u + np.float32(0.044715) * u**3)))
+    """GELU, tanh form (GPT-2's): 0.5 u (1 + tanh(c (u + 0.044715 u^3))), in one buffer (see
+    gelu_backward)."""
+    t = u * u
+    t *= np.float32(0.044715)
+    t += 1
+    t *= u
+    t *= GELU_C
+    np.tanh(t, out=t)
+    t += 1
+    t *= u
+    t *= np.float32(0.5)
+    return t
 
 
 def gelu_backward(u: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    t = np.tanh(GELU_C * (u + np.float32(0.044715) * u**3))
-    slope = 0.5 * (1 + t) + 0.5 * u * (1 - t * t) * GELU_C * (1 + np.float32(3 * 0.044715) * u * u)
-    return dy * slope
+    """dy * gelu'(u) = dy * (0.5 (1 + t) + 0.5 u (1 - t^2) c (1 + 3 * 0.044715 u^2)), t as in
+    gelu; in place on three buffers: a dozen fresh temporaries of u's size made glibc hand
+    pages back and fault them in again, 20x slower (benchmarks/bench_gpt.py)."""
+    t = u * u
+    t *= np.float32(0.044715)
+    t += 1
+    t *= u
+    t *= GELU_C
+    np.tanh(t, out=t)  # t
+    slope = t * t
+    np.subtract(1, slope, out=slope)
+    slope *= u
+    slope *= np.float32(0.5) * GELU_C
+    inner = u * u
+    inner *= np.float32(3 * 0.044715)
+    inner += 1
+    slope *= inner  # 0.5 u (1 - t^2) c (1 + 3 * 0.044715 u^2)
+    t += 1
+    t *= np.float32(0.5)
+    slope += t
+    slope *= dy
+    return slope
 
 
 def rows(a: np.ndarray) -> np.ndarray:
     """(..., n) -> (all the rows, n): the batch and sequence axes as one."""
     return a.reshape(-1, a.shape[-1])
+
+
+def dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (..., n) @ w (n, m) as one 2-D product: numpy runs a 3-D @ 2-D product as one small
+    product per leading index, twice as slow at this model's shapes (benchmarks/bench_gpt.py)."""
+    return (rows(x) @ w).reshape(*x.shape[:-1], w.shape[1])
 
 
 def uniform(shape: tuple[int, ...], k: float, rng: Rng) -> np.ndarray:
@@ -292,17 +327,17 @@ class Block(Layer):
         X = x.reshape(len(x), seq.local, -1)  # (B, S_here, E): the residual stream
         h1, ln1 = layer_norm(X, p["ln1_g"], p["ln1_b"])
         h = seq.gather(h1, f"{self.name} attn in")  # (B, S, E) on every tp rank (S: this cp rank's)
-        q = self.heads_of(h @ p["wq"] + p["bq"])  # (B, S, E) @ (E, E/T) -> (B, H/T, S, D)
-        k = self.heads_of(h @ p["wk"])  # no bias: see the class's docstring
-        v = self.heads_of(h @ p["wv"] + p["bv"])
+        q = self.heads_of(dot(h, p["wq"]) + p["bq"])  # (B, S, E) @ (E, E/T) -> (B, H/T, S, D)
+        k = self.heads_of(dot(h, p["wk"]))  # no bias: see the class's docstring
+        v = self.heads_of(dot(h, p["wv"]) + p["bv"])
         att, lse = self.ctx.attention(q, k, v)  # (B, H/T, S, D), (B, H/T, S): cp's ring
         a = self.merged(att)  # (B, S, E/T)
-        o = seq.sum_partial(a @ p["wo"], f"{self.name} attn out")  # (B, S_here, E)
+        o = seq.sum_partial(dot(a, p["wo"]), f"{self.name} attn out")  # (B, S_here, E)
         X2 = X + o + p["bo"]
         h2, ln2 = layer_norm(X2, p["ln2_g"], p["ln2_b"])
         hh = seq.gather(h2, f"{self.name} mlp in")  # (B, S, E)
-        u = hh @ p["w_fc"] + p["b_fc"]  # (B, S, E) @ (E, F/T) -> (B, S, F/T)
-        m = seq.sum_partial(gelu(u) @ p["w_proj"], f"{self.name} mlp out")  # (B, S_here, E)
+        u = dot(hh, p["w_fc"]) + p["b_fc"]  # (B, S, E) @ (E, F/T) -> (B, S, F/T)
+        m = seq.sum_partial(dot(gelu(u), p["w_proj"]), f"{self.name} mlp out")  # (B, S_here, E)
         out = X2 + m + p["b_proj"]
         saved = Saved(h=h, q=q, k=k, v=v, att=att, lse=lse, hh=hh, u=u)
         saved.update(xhat1=ln1[0], rstd1=ln1[1], xhat2=ln2[0], rstd2=ln2[1])
@@ -316,10 +351,10 @@ class Block(Layer):
         dm = seq.gather(dX2, f"{self.name} mlp out")  # (B, S, E)
         gl = gelu(s["u"])
         np.matmul(rows(gl).T, rows(dm), out=g["w_proj"])  # (F/T, B*S) @ (B*S, E)
-        du = gelu_backward(s["u"], dm @ p["w_proj"].T)  # (B, S, F/T)
+        du = gelu_backward(s["u"], dot(dm, p["w_proj"].T))  # (B, S, F/T)
         np.matmul(rows(s["hh"]).T, rows(du), out=g["w_fc"])
         np.sum(rows(du), axis=0, out=g["b_fc"])
-        dh2 = seq.sum_partial(du @ p["w_fc"].T, f"{self.name} mlp in")  # (B, S_here, E)
+        dh2 = seq.sum_partial(dot(du, p["w_fc"].T), f"{self.name} mlp in")  # (B, S_here, E)
         dX = dX2 + layer_norm_backward(
             dh2, (s["xhat2"], s["rstd2"]), p["ln2_g"], (g["ln2_g"], g["ln2_b"])
         )
@@ -327,7 +362,7 @@ class Block(Layer):
         np.sum(rows(dX), axis=0, out=g["bo"])
         do = seq.gather(dX, f"{self.name} attn out")  # (B, S, E)
         np.matmul(rows(self.merged(s["att"])).T, rows(do), out=g["wo"])
-        da = self.heads_of(do @ p["wo"].T)  # (B, H/T, S, D)
+        da = self.heads_of(dot(do, p["wo"].T))  # (B, H/T, S, D)
         dq, dk, dv = self.ctx.attention_backward(s["q"], s["k"], s["v"], s["att"], s["lse"], da)
         dh = 0
         for name, d in (("q", dq), ("k", dk), ("v", dv)):
@@ -335,7 +370,7 @@ class Block(Layer):
             np.matmul(rows(s["h"]).T, rows(d), out=g[f"w{name}"])
             if name != "k":
                 np.sum(rows(d), axis=0, out=g[f"b{name}"])
-            dh = dh + d @ p[f"w{name}"].T  # (B, S, E/T) @ (E/T, E): this rank's heads' part
+            dh = dh + dot(d, p[f"w{name}"].T)  # (B, S, E/T) @ (E/T, E): this rank's heads' part
         dh1 = seq.sum_partial(dh, f"{self.name} attn in")  # (B, S_here, E)
         dX += layer_norm_backward(
             dh1, (s["xhat1"], s["rstd1"]), p["ln1_g"], (g["ln1_g"], g["ln1_b"])
@@ -374,14 +409,14 @@ class Head(Layer):
     def forward(self, p: Params, x: np.ndarray) -> tuple[np.ndarray, Saved]:
         X = self.seq.gather(x.reshape(len(x), self.seq.local, -1), f"{self.name} in")
         h, ln = layer_norm(X, p["lnf_g"], p["lnf_b"])  # (B, S, E)
-        logits = h @ p["W"] + p["b"]  # (B, S, E) @ (E, V) -> (B, S, V)
+        logits = dot(h, p["W"]) + p["b"]  # (B, S, E) @ (E, V) -> (B, S, V)
         return logits.reshape(len(x), -1), Saved(h=h, xhat=ln[0], rstd=ln[1])
 
     def backward(self, p: Params, s: Saved, dout: np.ndarray, g: Params) -> np.ndarray:
         d = dout.reshape(len(dout), self.seq_len, self.vocab)  # (B, S, V)
         np.matmul(rows(s["h"]).T, rows(d), out=g["W"])  # (E, B*S) @ (B*S, V)
         np.sum(rows(d), axis=0, out=g["b"])
-        dh = d @ p["W"].T  # (B, S, V) @ (V, E) -> (B, S, E)
+        dh = dot(d, p["W"].T)  # (B, S, V) @ (V, E) -> (B, S, E)
         dX = layer_norm_backward(dh, (s["xhat"], s["rstd"]), p["lnf_g"], (g["lnf_g"], g["lnf_b"]))
         return np.ascontiguousarray(self.seq.own(dX)).reshape(len(dout), -1)  # every rank: all
 
