@@ -83,15 +83,20 @@ def layer_norm_backward(dy: np.ndarray, saved: tuple, g: np.ndarray, grads: tupl
     return (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * rstd
 
 
-def gelu(u: np.ndarray) -> np.ndarray:
-    """GELU, tanh form (GPT-2's): 0.5 u (1 + tanh(c (u + 0.044715 u^3))), in one buffer (see
-    gelu_backward)."""
+def gelu_tanh(u: np.ndarray) -> np.ndarray:
+    """tanh(c (u + 0.044715 u^3)) in one new buffer: fresh temporaries of u's size made glibc hand
+    pages back and fault them in again, 20x slower (benchmarks/bench_gpt.py)."""
     t = u * u
     t *= np.float32(0.044715)
     t += 1
     t *= u
     t *= GELU_C
-    np.tanh(t, out=t)
+    return np.tanh(t, out=t)
+
+
+def gelu(u: np.ndarray) -> np.ndarray:
+    """GELU, tanh form (GPT-2's): 0.5 u (1 + tanh(c (u + 0.044715 u^3)))."""
+    t = gelu_tanh(u)
     t += 1
     t *= u
     t *= np.float32(0.5)
@@ -100,14 +105,8 @@ def gelu(u: np.ndarray) -> np.ndarray:
 
 def gelu_backward(u: np.ndarray, dy: np.ndarray) -> np.ndarray:
     """dy * gelu'(u) = dy * (0.5 (1 + t) + 0.5 u (1 - t^2) c (1 + 3 * 0.044715 u^2)), t as in
-    gelu; in place on three buffers: a dozen fresh temporaries of u's size made glibc hand
-    pages back and fault them in again, 20x slower (benchmarks/bench_gpt.py)."""
-    t = u * u
-    t *= np.float32(0.044715)
-    t += 1
-    t *= u
-    t *= GELU_C
-    np.tanh(t, out=t)  # t
+    gelu, in place on three buffers."""
+    t = gelu_tanh(u)
     slope = t * t
     np.subtract(1, slope, out=slope)
     slope *= u
