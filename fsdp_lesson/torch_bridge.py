@@ -431,6 +431,13 @@ def train(
     return out if save is None else out | {"saved_params": saved}
 
 
+def train_on_engine(model_config: ModelConfig, tc: TrainConfig, timeout: float = 60.0) -> dict:
+    """What notebook 16 runs on every engine (Ranks.run): `train` inside its own process_group
+    over the engines' MPI world, torn down before it returns; this rank's results."""
+    with process_group(timeout=timeout):
+        return train(model_config, tc)
+
+
 # --- checkpoints across the bridge ---------------------------------------------------------
 
 BRIDGE_STATE = "bridge.json"  # beside a DCP checkpoint: what the package's checkpoint also keeps

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import student  # noqa: E402  (tools/student.py)
 from execute_notebooks import execute  # noqa: E402  (tools/execute_notebooks.py)
-from lesson import hosts_are_up, needs_hosts  # noqa: E402  (tools/lesson.py)
+from lesson import hosts_are_up, needs_hosts, needs_torch, torch_missing  # noqa: E402
 
 CHECK_IMPORT = "from fsdp_lesson.checks import check, compare"
 FUNCTION = """\
@@ -298,6 +298,8 @@ def test_student_copy_runs_on_the_cluster_and_every_checker_says_not_solved(teac
     """
     if needs_hosts(teacher_path) and not hosts_up():
         pytest.skip("notebook 13 runs on the simulated hosts, and none are up (make hosts)")
+    if needs_torch(teacher_path) and torch_missing():
+        pytest.skip(f"notebook 16 {torch_missing()}")
     (path,) = student.write_student_copies([teacher_path], student.OUT)
     copy = nbformat.read(path, as_version=4)
     execute(copy, path.parent)  # raises CellExecutionError on the first error

@@ -4,6 +4,7 @@ guide quotes are the lines the checkers print, taken from real runs of wrong ans
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import textwrap
@@ -24,6 +25,7 @@ from fsdp_lesson.attention import merge
 from fsdp_lesson.commbench import tcp_payload_rate
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.exercises import (
+    bridge,
     checkpoints,
     communication,
     context,
@@ -454,6 +456,22 @@ CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
          context.check_ring_step),
     ],
 }  # fmt: skip
+SHARD_16 = "from torch.distributed.fsdp import fully_shard\n\ndef shard_model(model):\n"
+LAYERS_16 = "    for name in model.order{}:\n        fully_shard(getattr(model, name){})\n"
+if importlib.util.find_spec("torch") is not None:  # notebook 16's checker runs PyTorch
+    CLUSTER_CASES["16"] = [
+        (SHARD_16 + body, bridge.check_shard_model)
+        for body in (
+            "    return model\n",
+            "    return fully_shard(model)\n",
+            LAYERS_16.format("", "") + "    return model\n",
+            "    fully_shard(model)\n" + LAYERS_16.format("", "") + "    return model\n",
+            LAYERS_16.format("", ", reshard_after_forward=False")
+            + "    return fully_shard(model, reshard_after_forward=False)\n",
+            LAYERS_16.format("[1:]", "") + "    return fully_shard(model)\n",
+            LAYERS_16.format("", "") + "    fully_shard(model)\n",
+        )
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ pytest.importorskip(
 import numpy as np  # noqa: E402
 from mpi_helpers import worker_results  # noqa: E402
 
+from fsdp_lesson import checks  # noqa: E402
 from fsdp_lesson.config import ModelConfig  # noqa: E402
+from fsdp_lesson.exercises.bridge import check_shard_model  # noqa: E402
 from fsdp_lesson.torch_bridge import shard_bytes  # noqa: E402
 
 ATOL = 1e-5  # the issue's: losses (and here parameters too) within 1e-5 over 200 SGD steps
@@ -198,3 +200,44 @@ def test_the_group_listens_on_loopback_only_and_leaves_no_process(bridge):
         assert not teardown["initialized"] and teardown["children"] == [], rank
         assert set(teardown["left_listening"]) <= set(teardown["opened"]), rank
         assert teardown["left_after_another"] == teardown["left_listening"], rank
+
+
+# notebook 16's exercise: a wrapping (tests/torch_bridge_worker.py's WRAPPINGS) -> the words
+# the checker's line must hold
+CHECKER_LINES = {
+    "stub": checks.NOT_SOLVED,
+    "nothing": "no parameter is sharded",
+    "no return": "it returned None, not the model",
+    "no root": "the root is not wrapped",
+    "only the root": "only the root is wrapped",
+    "root first": "fully_shard(model) came before its layers",
+    "kept after forward": "reshard_after_forward=False",
+    "no emb": "layer emb is not wrapped",
+}
+
+
+class Reported:
+    """Stands for the cluster's Ranks: `run` returns what the worker's ranks reported."""
+
+    def __init__(self, reports: list) -> None:
+        self.reports = reports
+
+    def run(self, fn, timeout: float) -> list:
+        return self.reports
+
+
+@pytest.mark.mpi
+def test_the_shard_model_checker_passes_the_key_and_names_each_mistake(bridge, capsys, monkeypatch):
+    """exercises/bridge.py on what each rank of the worker saw: the right wrapping passes, each
+    usual mistake gets its own line, and no line holds a rank's expected shard bytes."""
+    n, results = bridge
+    monkeypatch.setattr(checks, "STRICT", False)
+    reports = results["checker"]
+    assert check_shard_model(Reported(reports["right"]))
+    assert capsys.readouterr().out.startswith("✓ shard_model: correct")
+    expected = {f"{shard_bytes(ModelConfig(), n, r)['fsdp2']:,}" for r in range(n)}
+    for name, words in CHECKER_LINES.items():
+        assert check_shard_model(Reported(reports[name])) is False, name
+        line = capsys.readouterr().out
+        assert line.startswith("✗ shard_model: ") and words in line, (name, line)
+        assert not any(value in line for value in expected), (name, line)

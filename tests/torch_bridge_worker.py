@@ -7,7 +7,8 @@ package's ledger, PyTorch's local tensors) and traffic of one step (the package'
 bridge's CollectiveCounter); a DCP checkpoint of FSDP2 resumed by the package
 (across_the_bridge); and, per rank, the sockets the bridge's process group listened on,
 whether afterwards the group was gone with no child process left, and the listening sockets
-left after it and after another group on the same ranks.
+left after it and after another group on the same ranks; and what notebook 16's checker
+(exercises/bridge.py) sees of the right wrapping and of each usual mistake, on every rank.
 """
 
 import pickle
@@ -18,11 +19,13 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 from fsdp_lesson import torch_bridge
 from fsdp_lesson.comm import Comm, gather_objects
 from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
+from fsdp_lesson.exercises import bridge as checker
 from fsdp_lesson.train import run
 
 N = Comm.world().size
@@ -38,6 +41,48 @@ if N == 4:  # the options, once: the same wrapping with one argument changed
         "zero3-keep": dict(strategy="zero3", reshard_after_forward=False),
         "zero3-adam": dict(strategy="zero3", optimizer="adam"),
     }
+
+
+def layers_then_root(model, layers=None, **options):
+    """fully_shard on each of `layers` (default: every layer), then on the model."""
+    for name in model.order if layers is None else layers:
+        fully_shard(getattr(model, name), **options)
+    return fully_shard(model, **options)
+
+
+def layers_only(model):
+    for name in model.order:
+        fully_shard(getattr(model, name))
+    return model
+
+
+def root_then_layers(model):
+    fully_shard(model)
+    return layers_then_root(model)
+
+
+WRAPPINGS = {  # notebook 16's exercise: the right answer and the usual mistakes
+    "right": layers_then_root,
+    "stub": lambda model: None,
+    "nothing": lambda model: model,
+    "no return": lambda model: layers_then_root(model) and None,
+    "no root": layers_only,
+    "only the root": fully_shard,
+    "root first": root_then_layers,
+    "kept after forward": lambda model: layers_then_root(model, reshard_after_forward=False),
+    "no emb": lambda model: layers_then_root(model, layers=model.order[1:]),
+}
+
+
+def checker_reports() -> dict:
+    """What the checker's engine side reports of each wrapping, as the notebook's %%px
+    `shard_model` (a global of __main__, here this script)."""
+    global shard_model
+    reports = {}
+    for name, wrapping in WRAPPINGS.items():
+        shard_model = wrapping
+        reports[name] = gather_objects(Comm.world(), checker.shard_model_reports())
+    return reports
 
 
 def listening() -> set:
@@ -113,8 +158,10 @@ def main(out: str) -> None:
         "left_after_another": sorted(listening() - before),
     }
     teardowns = gather_objects(Comm.world(), teardown)
+    reports = checker_reports()
     if rank == 0:
         results["teardown"] = teardowns
+        results["checker"] = reports
         with open(out, "wb") as f:
             pickle.dump(results, f)
 

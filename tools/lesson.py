@@ -11,6 +11,7 @@ started by hand is never touched; the cluster they start is stopped again, even 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -65,10 +66,28 @@ def mpi_cluster(n: int = N_ENGINES):
         print("cluster stopped", flush=True)
 
 
-def needs_hosts(path: Path) -> bool:
-    """Whether a notebook runs on the simulated hosts (its metadata says so: notebook 13)."""
+def needs(path: Path) -> str | None:
+    """What a notebook needs beyond the course's install, as its metadata says: "hosts" (the
+    simulated hosts: notebook 13), "torch" (the torch extra: notebook 16), or None."""
     metadata = json.loads(path.read_text()).get("metadata", {})
-    return metadata.get("fsdp_lesson", {}).get("needs") == "hosts"
+    return metadata.get("fsdp_lesson", {}).get("needs")
+
+
+def needs_hosts(path: Path) -> bool:
+    """Whether a notebook runs on the simulated hosts (notebook 13)."""
+    return needs(path) == "hosts"
+
+
+def needs_torch(path: Path) -> bool:
+    """Whether a notebook runs PyTorch, the optional torch extra (notebook 16)."""
+    return needs(path) == "torch"
+
+
+def torch_missing() -> str | None:
+    """Why the notebooks that run PyTorch cannot run here (the extra is not installed), or None."""
+    if importlib.util.find_spec("torch") is None:
+        return "needs the torch extra (PyTorch's CPU build), not installed: make torch"
+    return None
 
 
 @contextmanager
@@ -135,11 +154,15 @@ def run_lesson(notebooks: list[Path]) -> int:
     html_dir = ROOT / "build" / "html"
     html_dir.mkdir(parents=True, exist_ok=True)
     summary = []
+    no_torch = torch_missing()
     with mpi_cluster(), simulated_hosts(notebooks) as no_hosts:
         for path in notebooks:
-            if no_hosts and needs_hosts(path):
-                summary.append((path.name, f"skipped: {no_hosts}", 0.0))
-                print(f"{path.name:40s} skipped: {no_hosts}", flush=True)
+            reason = (no_hosts if needs_hosts(path) else None) or (
+                no_torch if needs_torch(path) else None
+            )
+            if reason:
+                summary.append((path.name, f"skipped: {reason}", 0.0))
+                print(f"{path.name:40s} skipped: {reason}", flush=True)
                 continue
             nb = nbformat.read(path, as_version=4)
             start = time.perf_counter()
@@ -181,8 +204,11 @@ def run_tests(pytest_args: list[str]) -> int:
     with mpi_cluster(), simulated_hosts(wanted) as no_hosts:
         notebooks = NOTEBOOKS
         if no_hosts:  # tests/test_student.py skips the same notebooks, with the same reason
-            notebooks = [path for path in NOTEBOOKS if not needs_hosts(path)]
+            notebooks = [path for path in notebooks if not needs_hosts(path)]
             print(f"not under nbval: notebook 13, which {no_hosts}", flush=True)
+        if no_torch := torch_missing():  # and these too
+            notebooks = [path for path in notebooks if not needs_torch(path)]
+            print(f"not under nbval: notebook 16, which {no_torch}", flush=True)
         again = [path for path in notebooks if not has_solutions(nbformat.read(path, 4))]
         selection = paths or [*map(str, notebooks + again), "tests", "--keep-duplicates"]
         nbval = ["--nbval", "--nbval-current-env", "--nbval-cell-timeout=600"]
