@@ -1,7 +1,7 @@
 """Run under mpiexec: save sharded checkpoints, or resume them into every strategy.
 
-    mpiexec -n N python tests/checkpoint_worker.py save DIR      # each strategy: 50 steps, save;
-                                                                 # and 100 steps straight
+    mpiexec -n N python tests/checkpoint_worker.py save DIR      # each strategy: SAVE_AT steps,
+                                                                 # save; and STEPS straight
     mpiexec -n M python tests/checkpoint_worker.py resume DIR    # every saved checkpoint into
                                                                  # every strategy at M ranks
 Rank 0 writes the final full parameters and losses of each run to DIR/*.npz.
@@ -19,6 +19,7 @@ from fsdp_lesson.train import run
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3"]
 CONFIG = dict(optimizer="adam", batch=24, eval_batches=2, samples=1)
+SAVE_AT, STEPS = 15, 30  # a resharding mistake shows at the first step after SAVE_AT
 
 
 def save_result(path: Path, history, strategy) -> None:
@@ -33,17 +34,17 @@ def main(mode: str, directory: str) -> None:
     n = Comm.world().size
     if mode == "save":
         for strategy in STRATEGIES:
-            half = TrainConfig(strategy=strategy, steps=50, **CONFIG)
+            half = TrainConfig(strategy=strategy, steps=SAVE_AT, **CONFIG)
             run(
                 ModelConfig(),
                 half,
-                RunConfig(save_every=50, checkpoint_dir=root / strategy),
+                RunConfig(save_every=SAVE_AT, checkpoint_dir=root / strategy),
                 Comm.world(),
                 data,
             )
             history, s = run(
                 ModelConfig(),
-                TrainConfig(strategy=strategy, steps=100, **CONFIG),
+                TrainConfig(strategy=strategy, steps=STEPS, **CONFIG),
                 comm=Comm.world(),
                 data=data,
             )
@@ -51,7 +52,7 @@ def main(mode: str, directory: str) -> None:
     else:
         for source in STRATEGIES:
             for target in STRATEGIES:
-                config = TrainConfig(strategy=target, steps=100, **CONFIG)
+                config = TrainConfig(strategy=target, steps=STEPS, **CONFIG)
                 resume = RunConfig(resume=root / source, reshard=True)
                 history, s = run(ModelConfig(), config, resume, Comm.world(), data)
                 save_result(root / f"resumed-{source}-to-{target}-N{n}.npz", history, s)

@@ -14,6 +14,9 @@ from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from checkpoint_worker import SAVE_AT, STEPS  # noqa: E402
+
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 STRATEGIES = ["dp", "zero1", "zero2", "zero3"]
 
@@ -161,14 +164,14 @@ def test_resume_at_the_same_n_is_bit_identical(resharded, strategy):
     for key in straight:
         if key != "losses":
             assert straight[key].tobytes() == resumed[key].tobytes(), key
-    assert np.array_equal(straight["losses"][50:], resumed["losses"][50:])
+    assert np.array_equal(straight["losses"][SAVE_AT:], resumed["losses"][SAVE_AT:])
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [4, 3, 2, 1])
 def test_resharding_every_strategy_pair_trains_on_equivalently(resharded, data, n):
     config = TrainConfig(
-        strategy="single", optimizer="adam", batch=24, steps=100, eval_batches=2, samples=1
+        strategy="single", optimizer="adam", batch=24, steps=STEPS, eval_batches=2, samples=1
     )
     reference, s = run(ModelConfig(), config, data=data)
     expected = {f"{layer}.{k}": v for layer, p in s.full_params().items() for k, v in p.items()}
@@ -187,7 +190,7 @@ def test_resharding_every_strategy_pair_trains_on_equivalently(resharded, data, 
             for key, want in expected.items():
                 diff = np.abs(got[key] - want).max()
                 assert diff <= 1e-5, f"{source}@4 -> {target}@{n}: {key} differs by {diff:.1e}"
-            loss_diff = np.abs(got["losses"][50:] - reference.losses[50:]).max()
+            loss_diff = np.abs(got["losses"][SAVE_AT:] - reference.losses[SAVE_AT:]).max()
             assert loss_diff <= 1e-5, f"{source}@4 -> {target}@{n}: loss differs by {loss_diff:.1e}"
 
 

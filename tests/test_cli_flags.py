@@ -77,7 +77,9 @@ def test_a_bad_value_is_the_one_line_the_types_say():
         parse("--lr", "fast")
 
 
-def test_help_shows_the_defaults_of_values_but_not_of_plain_switches():
+def test_help_shows_the_defaults_of_values_but_not_of_plain_switches(monkeypatch):
+    # wide lines: argparse breaks a long default at a hyphen ("/work/wt- testtime/...")
+    monkeypatch.setenv("COLUMNS", "1000")
     text = " ".join(train_parser().format_help().split())
     assert "gradients while computing (default: True)" in text  # --prefetch | --no-prefetch
     assert "(2x instead of 3x traffic) --replicate" in text  # --no-reshard-after-forward
