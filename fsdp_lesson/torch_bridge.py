@@ -98,13 +98,32 @@ class TorchMLP(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, S) token ids -> (B, V) logits: embedding, flattened, Linears with ReLUs between."""
-        emb, *linears = self.order
-        x = getattr(self, emb)(tokens).flatten(1)
-        for i, name in enumerate(linears):
-            x = getattr(self, name)(x)
-            if i < len(linears) - 1:
-                x = torch.relu(x)
-        return x
+        return run_layers(self, self.order, tokens, last=self.order[-1])
+
+
+def run_layers(module: nn.Module, names: list[str], x: torch.Tensor, last: str) -> torch.Tensor:
+    """The named layers of `module` in order: an embedding's rows flattened, a ReLU after every
+    Linear but the model's `last` (a pipeline stage runs some of them, TorchMLP all)."""
+    for name in names:
+        layer = getattr(module, name)
+        x = layer(x).flatten(1) if isinstance(layer, nn.Embedding) else layer(x)
+        if isinstance(layer, nn.Linear) and name != last:
+            x = torch.relu(x)
+    return x
+
+
+class StageModule(nn.Module):
+    """The layers of a TorchMLP that one pipeline stage holds (torch.distributed.pipelining's
+    stage module, the package's pipeline.Stage): a slice of `order`, run as TorchMLP runs it."""
+
+    def __init__(self, whole: TorchMLP, names: list[str]) -> None:
+        super().__init__()
+        self.order, self.last = names, whole.order[-1]
+        for name in names:
+            self.add_module(name, getattr(whole, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_layers(self, self.order, x, self.last)
 
 
 def to_torch(layer: str, params: Params) -> dict[str, torch.Tensor]:
@@ -345,6 +364,23 @@ def tensor_parallel(module: TorchMLP, tp_mesh) -> TorchMLP:
     return parallelize_module(module, tp_mesh, plan)
 
 
+def pipeline(module: TorchMLP, tc: TrainConfig) -> tuple[StageModule, object]:
+    """torch.distributed.pipelining as the package's --pp P (dp = 1): this rank's stage holds
+    its run of the layers (the first ceil(L/P) on stage 0, ...), and a GPipe or 1F1B schedule
+    over --micro-batches runs it; the loss is each micro-batch's mean, and the gradients are
+    scaled by 1/M (the schedule's scale_grads), so the step is the whole batch's mean's."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size != tc.pp:
+        raise ValueError(f"the bridge pipelines over every rank: --pp {size}, not {tc.pp}")
+    per_stage = -(-len(module.order) // size)
+    stage_module = StageModule(module, module.order[rank * per_stage : (rank + 1) * per_stage])
+    stage = PipelineStage(stage_module, rank, size, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[tc.schedule]
+    return stage_module, kind(stage, n_microbatches=tc.micro_batches, loss_fn=F.cross_entropy)
+
+
 def make_optimizer(tc: TrainConfig, params) -> torch.optim.Optimizer:
     """torch's SGD or Adam at the package's learning rate (its default per optimizer)."""
     lr = tc.lr if tc.lr is not None else DEFAULT_LR[tc.optimizer]
@@ -386,7 +422,8 @@ def train(
     save: tuple[int, str | os.PathLike] | None = None,
 ) -> dict:
     """Train as the package's `train.run` would with tc (its strategy, steps, batch, seed,
-    optimizer, lr, tp, precision, reshard_after_forward), in PyTorch, inside process_group.
+    optimizer, lr, tp, precision, reshard_after_forward; or pp, micro_batches and schedule
+    with dp = 1), in PyTorch, inside process_group.
 
     Returns this rank's: `losses` (the global loss of every step, the mean over data-parallel
     ranks, as the package reports it), `params` (every layer whole, the package's layout),
@@ -399,7 +436,12 @@ def train(
     data = data or Dataset.load(seq_len=model_config.seq_len)
     rng = make_rng(tc.seed)
     initial = MLP(model_config).init_params(rng)  # then the batches, from the same stream
-    module, dp_rank, dp_size = wrap(TorchMLP(model_config, initial), tc, size)
+    module, schedule = TorchMLP(model_config, initial), None
+    if tc.pp > 1:  # a stage of the layers on each rank; every stage reads the whole batch
+        (module, schedule), dp_rank, dp_size = pipeline(module, tc), 0, 1
+    else:
+        module, dp_rank, dp_size = wrap(module, tc, size)
+    holding_the_loss = size if schedule is None else size // tc.pp  # pp: the last stage
     optimizer = make_optimizer(tc, module.parameters())
     rows = batches(data, tc.batch, rng, dp_rank, dp_size)
     losses, counter = np.zeros(tc.steps), CollectiveCounter()
@@ -411,24 +453,45 @@ def train(
             X, Y = next(rows)
             with counter if step == count_step else nullcontext():
                 optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(module(X).float(), Y)
-                loss.backward()
+                if schedule is None:
+                    loss = F.cross_entropy(module(X).float(), Y)
+                    loss.backward()
+                    mine = loss.item()
+                else:
+                    mine = pipeline_step(schedule, X, Y)
                 optimizer.step()
                 # the global loss, as the package's mean_scalar: the tp ranks of a group
                 # hold the same loss, so the mean over all ranks is the mean over dp
-                total = torch.tensor([loss.item()], dtype=torch.float64)
+                total = torch.tensor([mine], dtype=torch.float64)
                 dist.all_reduce(total)
-            losses[step] = total.item() / size
+            losses[step] = total.item() / holding_the_loss
             if save is not None and step + 1 == save[0]:
                 save_dcp(module, save[1], step + 1, rng, losses)
                 saved = full_params(module)
+    params = full_params(module)
+    if schedule is not None:  # each stage holds its own layers: every rank gets them all
+        stages: list = [None] * size
+        dist.all_gather_object(stages, params)
+        params = {layer: p for stage in stages for layer, p in stage.items()}
     out = {
         "losses": losses,
-        "params": full_params(module),
+        "params": params,
         "bytes": local_bytes(module, optimizer),
         "traffic": counter.traffic,
     }
     return out if save is None else out | {"saved_params": saved}
+
+
+def pipeline_step(schedule, X: torch.Tensor, Y: torch.Tensor) -> float:
+    """One step of the pipeline schedule: the first stage feeds X, the last compares with Y;
+    the batch's mean loss on the last stage (its micro-batches' mean), 0.0 on the others."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    inputs, losses = (X,) if rank == 0 else (), []
+    if rank == size - 1:
+        schedule.step(*inputs, target=Y, losses=losses)
+        return torch.stack(losses).detach().mean().item()
+    schedule.step(*inputs)
+    return 0.0
 
 
 def train_on_engine(model_config: ModelConfig, tc: TrainConfig, timeout: float = 60.0) -> dict:

@@ -45,10 +45,10 @@ def max_differences(run: dict) -> tuple[float, float]:
 
 
 def run_of(bridge, name: str) -> tuple[int, dict]:
-    """(N, the worker's run `name`), skipped where that run is made on 4 ranks only."""
+    """(N, the worker's run `name`), skipped where that run is made on other ranks only."""
     n, results = bridge
     if name not in results:
-        pytest.skip(f"{name} runs on 4 ranks only")
+        pytest.skip(f"{name} runs on {2 if name.startswith('pp') else 4} ranks only")
     run = results[name]
     assert len(run["torch_losses"]) == len(run["package_losses"]) == 200
     with_params = {layer for layer, p in run["package_params"].items() if p}  # not the ReLU's
@@ -69,6 +69,19 @@ def test_pytorch_trains_the_packages_model(bridge, name):
     print(f"N={n} {name}: losses differ by at most {loss:.1e}, parameters by {params:.1e}")
     assert loss <= ATOL, f"N={n} {name}: losses differ by {loss:.1e}"
     assert params <= ATOL, f"N={n} {name}: parameters differ by {params:.1e}"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pytorch_pipelining_trains_as_the_packages_pipeline(bridge, schedule):
+    """torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B over 2 stages of the layers,
+    2 micro-batches, gloo = --pp 2 --micro-batches 2 --schedule gpipe / 1f1b: SGD, float32,
+    200 steps, within 1e-5 (the schedule scales the gradients by 1/M: the batch's mean)."""
+    n, run = run_of(bridge, f"pp2-{schedule}")
+    loss, params = max_differences(run)
+    print(f"N={n} pp2 {schedule}: losses differ by at most {loss:.1e}, parameters by {params:.1e}")
+    assert loss <= ATOL, f"N={n} pp2 {schedule}: losses differ by {loss:.1e}"
+    assert params <= ATOL, f"N={n} pp2 {schedule}: parameters differ by {params:.1e}"
 
 
 @pytest.mark.mpi

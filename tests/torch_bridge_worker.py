@@ -1,6 +1,6 @@
 """Run under `mpiexec -n N python tests/torch_bridge_worker.py OUT.pkl`: each strategy twice on N
 ranks, by the package (train.run) and by PyTorch (torch_bridge.train), from the same initial
-parameters and batches.
+parameters and batches (at N = 2 also --pp 2, by torch.distributed.pipelining's schedules).
 
 Rank 0 writes, per run: both runs' losses and whole parameters, and every rank's bytes (the
 package's ledger, PyTorch's local tensors) and traffic of one step (the package's Comm, the
@@ -26,7 +26,7 @@ from fsdp_lesson.comm import Comm, gather_objects
 from fsdp_lesson.config import ModelConfig, RunConfig, TrainConfig
 from fsdp_lesson.data import Dataset
 from fsdp_lesson.exercises import bridge as checker
-from fsdp_lesson.train import run
+from fsdp_lesson.train import run, whole_params
 
 N = Comm.world().size
 STEPS = 200  # the issue's: losses within 1e-5 over 200 SGD steps in float32
@@ -36,6 +36,11 @@ RUNS = {
     "zero3": dict(strategy="zero3"),
     "zero3-tp2": dict(strategy="zero3", tp=2),
 }
+if N == 2:  # torch.distributed.pipelining's schedules, as --pp 2 (dp = 1)
+    RUNS |= {
+        f"pp2-{schedule}": dict(strategy="single", pp=2, micro_batches=2, schedule=schedule)
+        for schedule in ("gpipe", "1f1b")
+    }
 if N == 4:  # the options, once: the same wrapping with one argument changed
     RUNS |= {
         "zero3-keep": dict(strategy="zero3", reshard_after_forward=False),
@@ -123,7 +128,7 @@ def main(out: str) -> None:
             )
             comm = Comm.world()  # fresh accounting per run
             history, strategy = run(ModelConfig(), config, comm=comm, data=data)
-            package_params = strategy.full_params()
+            package_params = whole_params(strategy)  # on rank 0: every stage's layers
             bridge = torch_bridge.train(ModelConfig(), config, data)
             per_rank = gather_objects(
                 comm,
