@@ -60,7 +60,9 @@ from .comm import Comm
 from .config import DEFAULT_LR, ModelConfig, TrainConfig
 from .data import Dataset, GlobalBatchSampler
 from .flat import FlatParam
+from .gpt import EPS
 from .model import MLP, Embedding, Linear, Params
+from .models import build_model
 from .rng import make_rng
 from .train import run
 
@@ -99,6 +101,66 @@ class TorchMLP(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, S) token ids -> (B, V) logits: embedding, flattened, Linears with ReLUs between."""
         return run_layers(self, self.order, tokens, last=self.order[-1])
+
+
+class PackageLayer(nn.Module):
+    """A layer's parameters under the package's names and layout (a weight (in, out), x @ W),
+    so to_package reads them back unchanged; a subclass's forward is gpt.py's layer's."""
+
+    def __init__(self, arrays: Params, heads: int = 1) -> None:
+        super().__init__()
+        self.heads = heads
+        for key, value in arrays.items():
+            self.register_parameter(key, nn.Parameter(torch.from_numpy(value.copy())))
+
+
+class GPTEmbedding(PackageLayer):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, S) tokens -> (B, S, E): W[token] + P[position]."""
+        return self.W[tokens] + self.P[: tokens.shape[1]]
+
+
+class GPTBlock(PackageLayer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + attn(ln1(x)), then x + mlp(ln2(x)), as gpt.Block.forward (keys without bias)."""
+        B, S, E = x.shape
+        h = layer_norm(x, self.ln1_g, self.ln1_b)
+        q, k, v = h @ self.wq + self.bq, h @ self.wk, h @ self.wv + self.bv
+        q, k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale 1/sqrt(D)
+        x = x + att.transpose(1, 2).reshape(B, S, E) @ self.wo + self.bo
+        u = layer_norm(x, self.ln2_g, self.ln2_b) @ self.w_fc + self.b_fc
+        return x + F.gelu(u, approximate="tanh") @ self.w_proj + self.b_proj
+
+
+class GPTHead(PackageLayer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, E) -> (B, S, V): the final LayerNorm, then the LM head."""
+        return layer_norm(x, self.lnf_g, self.lnf_b) @ self.W + self.b
+
+
+class TorchGPT(nn.Module):
+    """gpt.GPT as torch modules named as the package names its layers (emb, h0, ..., head),
+    each its own module, the unit `fully_shard` wraps (as FSDP2 wraps a TransformerBlock).
+    Forward: (B, S) tokens -> (B, S, V) logits."""
+
+    def __init__(self, config: ModelConfig, params: dict[str, Params]) -> None:
+        super().__init__()
+        self.order = list(params)  # emb, h0, ..., head
+        for layer, arrays in params.items():
+            kind = {"emb": GPTEmbedding, "head": GPTHead}.get(layer, GPTBlock)
+            self.add_module(layer, kind(arrays, config.heads))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for name in self.order:
+            x = getattr(self, name)(x)
+        return x
+
+
+def layer_norm(x: torch.Tensor, g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """gpt.layer_norm: over the last axis, eps 1e-5."""
+    return F.layer_norm(x, (x.shape[-1],), g, b, eps=float(EPS))
 
 
 def run_layers(module: nn.Module, names: list[str], x: torch.Tensor, last: str) -> torch.Tensor:
@@ -147,7 +209,8 @@ def to_package(state: dict[str, torch.Tensor]) -> dict[str, Params]:
         array = value.detach().to(torch.float32).numpy()
         if name == "weight" and layer != "emb":
             array = array.T
-        out.setdefault(layer, {})["W" if name == "weight" else "b"] = np.ascontiguousarray(array)
+        name = {"weight": "W", "bias": "b"}.get(name, name)  # TorchGPT's: the package's names
+        out.setdefault(layer, {})[name] = np.ascontiguousarray(array)
     return out
 
 
@@ -435,8 +498,12 @@ def train(
     size = dist.get_world_size()
     data = data or Dataset.load(seq_len=model_config.seq_len)
     rng = make_rng(tc.seed)
-    initial = MLP(model_config).init_params(rng)  # then the batches, from the same stream
-    module, schedule = TorchMLP(model_config, initial), None
+    initial = build_model(model_config).init_params(rng)  # then the batches, from that stream
+    gpt = model_config.model == "gpt"  # predicts every position: the targets are X shifted
+    if gpt and max(tc.tp, tc.pp, tc.cp) > 1:
+        raise ValueError("the bridge trains --model gpt with dp or zero3 alone, not --tp/--pp/--cp")
+    module = (TorchGPT if gpt else TorchMLP)(model_config, initial)
+    schedule = None
     if tc.pp > 1:  # a stage of the layers on each rank; every stage reads the whole batch
         (module, schedule), dp_rank, dp_size = pipeline(module, tc), 0, 1
     else:
@@ -453,7 +520,12 @@ def train(
             X, Y = next(rows)
             with counter if step == count_step else nullcontext():
                 optimizer.zero_grad(set_to_none=True)
-                if schedule is None:
+                if gpt:
+                    logits, targets = module(X).flatten(0, 1), next_tokens(X, Y).flatten()
+                    loss = F.cross_entropy(logits.float(), targets)
+                    loss.backward()
+                    mine = loss.item()
+                elif schedule is None:
                     loss = F.cross_entropy(module(X).float(), Y)
                     loss.backward()
                     mine = loss.item()
@@ -480,6 +552,11 @@ def train(
         "traffic": counter.traffic,
     }
     return out if save is None else out | {"saved_params": saved}
+
+
+def next_tokens(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """Every position's target, as gpt.GPT.targets: the context shifted by one, then Y."""
+    return torch.cat([X[:, 1:], Y.reshape(-1, 1)], dim=1)
 
 
 def pipeline_step(schedule, X: torch.Tensor, Y: torch.Tensor) -> float:
