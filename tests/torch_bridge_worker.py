@@ -44,6 +44,7 @@ if N == 2:  # torch.distributed.pipelining's schedules, as --pp 2 (dp = 1); the 
         for schedule in ("gpipe", "1f1b")
     }
     RUNS |= {f"gpt-{name}": dict(strategy=name, steps=GPT_STEPS) for name in ("dp", "zero3")}
+    RUNS["zero3-bf16"] = dict(strategy="zero3", precision="bf16")  # MixedPrecisionPolicy
 if N == 4:  # the options, once: the same wrapping with one argument changed
     RUNS |= {
         "zero3-keep": dict(strategy="zero3", reshard_after_forward=False),
