@@ -54,7 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .checkpoint import save_checkpoint, to_layout
+from .checkpoint import (
+    find_checkpoint,
+    read_losses,
+    read_manifest,
+    read_pieces,
+    save_checkpoint,
+    to_layout,
+)
 from .collectives import counted_per_call
 from .comm import Comm
 from .config import DEFAULT_LR, ModelConfig, TrainConfig
@@ -483,6 +490,7 @@ def train(
     data: Dataset | None = None,
     count_step: int = 2,
     save: tuple[int, str | os.PathLike] | None = None,
+    resume: str | os.PathLike | None = None,
 ) -> dict:
     """Train as the package's `train.run` would with tc (its strategy, steps, batch, seed,
     optimizer, lr, tp, precision, reshard_after_forward; or pp, micro_batches and schedule
@@ -493,7 +501,8 @@ def train(
     `bytes` (local_bytes after the last step, before its gradients are cleared) and `traffic`
     (CollectiveCounter over step `count_step`: not the first two, when DDP still broadcasts
     its buckets' order). With save=(k, directory): save_dcp after k steps, and `saved_params`,
-    the parameters it saved, whole.
+    the parameters it saved, whole. With resume=directory (save_dcp's or package_to_dcp's):
+    its parameters, data RNG and losses, then the steps after its step.
     """
     size = dist.get_world_size()
     data = data or Dataset.load(seq_len=model_config.seq_len)
@@ -510,13 +519,18 @@ def train(
         module, dp_rank, dp_size = wrap(module, tc, size)
     holding_the_loss = size if schedule is None else size // tc.pp  # pp: the last stage
     optimizer = make_optimizer(tc, module.parameters())
+    losses, counter, start = np.zeros(tc.steps), CollectiveCounter(), 0
+    if resume is not None:
+        saved = load_dcp(module, resume)
+        rng.set_state(saved["rng"])  # the batches go on where the checkpoint's run stopped
+        start = saved["step"]
+        losses[:start] = saved["losses"]
     rows = batches(data, tc.batch, rng, dp_rank, dp_size)
-    losses, counter = np.zeros(tc.steps), CollectiveCounter()
     with warnings.catch_warnings():
         # RowwiseParallel hands FSDP2 its output as a view: harmless, as nothing here changes
         # it in place (the ReLU and the loss make new tensors)
         warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
-        for step in range(tc.steps):
+        for step in range(start, tc.steps):
             X, Y = next(rows)
             with counter if step == count_step else nullcontext():
                 optimizer.zero_grad(set_to_none=True)
@@ -595,6 +609,49 @@ def save_dcp(module: nn.Module, directory: str | os.PathLike, step: int, rng, lo
         state = {"step": step, "rng": rng.get_state(), "losses": list(losses[:step])}
         Path(directory, BRIDGE_STATE).write_text(json.dumps(state))
     dist.barrier()
+
+
+def load_dcp(module: nn.Module, directory: str | os.PathLike) -> dict:
+    """Load a DCP checkpoint's parameters into the module (FSDP2 or DDP: DCP reshards them into
+    whatever this rank holds) and return what it keeps beside them (step, rng, losses)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(module)}
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(module, state["model"])
+    return json.loads(Path(directory, BRIDGE_STATE).read_text())
+
+
+def package_to_dcp(
+    directory: str | os.PathLike, out: str | os.PathLike, model_config: ModelConfig
+) -> None:
+    """The converter the other way: a package checkpoint (of the MLP, any strategy and mesh)
+    as a DCP checkpoint of TorchMLP's full parameters at `out`, with its step, data RNG and
+    losses beside it, which FSDP2 or DDP load on any number of ranks (train's resume). On one
+    process, no process group: DCP saves plain tensors whole. Parameters only (SGD)."""
+    import torch.distributed.checkpoint as dcp
+
+    found = find_checkpoint(directory)
+    manifest = read_manifest(found if found is not None else directory)
+    if manifest["train_config"]["optimizer"] != "sgd":
+        raise ValueError("package_to_dcp carries parameters only: convert an SGD run")
+    model = MLP(model_config)
+    vectors = read_pieces(Path(found), manifest, model, {"params"})
+    params = {
+        layer.name: FlatParam(layer.whole_shapes).views(vectors[f"{layer.name}.params"])
+        for layer in model.layers
+    }
+    state = TorchMLP(model_config, params).state_dict()
+    with warnings.catch_warnings():  # "assuming ... to save in a single process": as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable")
+        dcp.save({"model": state}, checkpoint_id=out, no_dist=True)
+    step = manifest["step"]
+    saved = {"step": step, "rng": manifest["rng"], "losses": list(read_losses(found, step))}
+    Path(out, BRIDGE_STATE).write_text(json.dumps(saved))
 
 
 def dcp_to_package(

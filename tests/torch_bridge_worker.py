@@ -122,6 +122,30 @@ def across_the_bridge(directory: Path, data: Dataset) -> dict:
     }
 
 
+def into_fsdp2(directory: Path, data: Dataset) -> dict:
+    """The package trains zero3 SAVE_AT steps and saves its checkpoint; package_to_dcp (rank 0)
+    converts it; FSDP2 loads it (steps=SAVE_AT: no step trained) and, again, resumes it to
+    step 200. Rank 0 returns the package's saved parameters, FSDP2's loaded ones and its
+    losses resumed."""
+    config = TrainConfig(strategy="zero3", steps=SAVE_AT, eval_batches=0, samples=0)
+    package, converted = directory / "saved by the package", directory / "for fsdp2"
+    _, strategy = run(
+        ModelConfig(),
+        config,
+        RunConfig(checkpoint_dir=package, save_every=SAVE_AT),
+        Comm.world(),
+        data,
+    )
+    saved = whole_params(strategy)
+    if Comm.world().rank == 0:
+        torch_bridge.package_to_dcp(package, converted, ModelConfig())
+    Comm.world().barrier()
+    loaded = torch_bridge.train(ModelConfig(), config, data, resume=converted)
+    onward = replace(config, steps=STEPS)
+    resumed = torch_bridge.train(ModelConfig(), onward, data, resume=converted)
+    return {"saved_params": saved, "loaded_params": loaded["params"], "losses": resumed["losses"]}
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)  # a core per rank, as the package's ranks (launch.py)
     data, results, before = Dataset.load(), {}, listening()
@@ -155,8 +179,9 @@ def main(out: str) -> None:
                 }
         opened = sorted(listening() - before)  # gloo's, for the world and the meshes' groups
         crossing = across_the_bridge(Path(out).parent, data)
+        other_way = into_fsdp2(Path(out).parent, data)
         if rank == 0:
-            results["dcp"] = crossing
+            results["dcp"], results["into_fsdp2"] = crossing, other_way
     left = sorted(listening() - before)
     with torch_bridge.process_group(timeout=60):  # again, on the same ranks (a cluster's engines)
         torch_bridge.train(ModelConfig(), TrainConfig(tp=2, strategy="zero3", steps=2), data)
