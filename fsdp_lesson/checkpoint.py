@@ -44,7 +44,7 @@ from .model import MLP
 from .rng import Rng
 from .sharding import STRATEGIES
 from .strategies import STRATEGY_CLASSES, Strategy
-from .strategies.base import where_held
+from .strategies.base import owner, where_held
 from .watchdog import in_phase
 
 FORMAT = 5  # 5: whole layers, each with the ranks that wrote it (4: a plain run's, still read)
@@ -585,8 +585,7 @@ def read_pieces(directory: Path, manifest: dict, model, needed: set[str]) -> dic
 def entry_layers(flat: FlatParam, name: str) -> list[str]:
     """The layers a layout entry holds, in order: the layer `name` itself, or a zero3 unit's
     (--layers-per-unit K), whose keys are "layer.param"."""
-    layers = dict.fromkeys(key.rpartition(".")[0] for key, *_ in flat.spans)
-    return [layer for layer in layers if layer] or [name]
+    return list(dict.fromkeys(owner(key, name)[0] for key, *_ in flat.spans)) or [name]
 
 
 def to_layout(vectors: dict[str, np.ndarray], strategy: Strategy) -> dict[str, np.ndarray]:

@@ -394,8 +394,8 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def shard_per_layer(
-    module: TorchMLP, mesh=None, reshard_after_forward: bool = True, precision: str = "fp32"
-) -> TorchMLP:
+    module: nn.Module, mesh=None, reshard_after_forward: bool = True, precision: str = "fp32"
+) -> nn.Module:
     """FSDP2 as the package's zero3 with one layer per unit: fully_shard on every layer, then
     on the root (which gathers nothing of its own: every parameter is in a layer).
 
@@ -459,8 +459,9 @@ def make_optimizer(tc: TrainConfig, params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8)
 
 
-def wrap(module: TorchMLP, tc: TrainConfig, size: int) -> tuple[nn.Module, int, int]:
-    """The module wrapped as tc's strategy and tp say; (module, data-parallel rank, size)."""
+def wrap(module: nn.Module, tc: TrainConfig, size: int) -> tuple[nn.Module, int, int]:
+    """The module (TorchMLP, TorchGPT) wrapped as tc's strategy and tp say; (module,
+    data-parallel rank, size)."""
     rank = dist.get_rank()
     if tc.strategy not in STRATEGIES:
         raise ValueError(f"the bridge runs --strategy {' or '.join(STRATEGIES)}, not {tc.strategy}")
