@@ -37,73 +37,74 @@ def _kept(strategy, hook: str, store: str, problems: list[str]):
     return call
 
 
-def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's class)
-    # On every rank: the package's ZeRO3 (no prefetch) and the learner's MyZeRO3 train the same
-    # `steps` Adam steps. None while a hook still returns None; else a list of what differs.
+def _watched(hook, returned):
+    """hook, which also appends what it returns to `returned` (None: not solved yet)."""
+
+    def call(layer):
+        returned.append(hook(layer))
+        return returned[-1]
+
+    return call
+
+
+def _snapshot_then(step, grad_shards, into):
+    """step, after copying the gradient shards into `into` (Adam uses them as scratch)."""
+
+    def call():
+        into.update({name: shard.copy() for name, shard in grad_shards.items()})
+        step()
+
+    return call
+
+
+def _zero3_run(strategy_class, options, data, steps, returned, kept):
+    """On this rank: strategy_class trains `steps` Adam steps from the seed; the learner's
+    (options None) has its hooks watched, into `returned` and `kept`. Returns its losses,
+    parameter shards, reduced gradient shards, traffic and ledger peak; raises what it raises."""
     from ..comm import Comm
-    from ..data import Dataset, GlobalBatchSampler, rank_slice
+    from ..data import GlobalBatchSampler, rank_slice
     from ..memory import MemoryLedger
     from ..model import MLP
     from ..optim import Adam
     from ..rng import make_rng
-    from ..strategies import zero3
     from ..train import train_step
 
-    data, outcome, kept = Dataset.load(), {}, []
+    comm, model, rng = Comm.world(), MLP(ModelConfig()), make_rng(42)
+    ledger = MemoryLedger(comm.rank)
+    strategy = strategy_class(model, Adam(lr=1e-3), comm, ledger, **(options or {}))
+    strategy.load_params(model.init_params(rng))
+    sampler = GlobalBatchSampler(data.X_train, data.Y_train, 32, rng)
+    if options is None:  # the learner's
+        for hook in ("materialize", "grad_buffer"):
+            setattr(strategy, hook, _watched(getattr(strategy, hook), returned))
+        strategy.release = _kept(strategy, "release", "gathered", kept)
+        strategy.reduce_grads = _kept(strategy, "reduce_grads", "full_grads", kept)
+    reduced = {}  # the gradient shards as the update found them
+    strategy.step = _snapshot_then(strategy.step, strategy.grad_shards, reduced)
+    losses = []
+    for _ in range(steps):
+        X, Y = sampler.next()
+        X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
+        losses.append(train_step(model, strategy, X, Y))
+    return losses, strategy.param_shards, reduced, comm.traffic_report(), ledger.peak
 
-    def watched(hook, returned):  # hook, which also appends what it returns to `returned`
-        def call(layer):
-            returned.append(hook(layer))
-            return returned[-1]
 
-        return call
+def _raised_problems(err, kept):
+    """What the learner's run raising err says: an array kept alive first (the cause, before
+    what it led to), a ledger label allocated twice, else the error itself."""
+    if kept:
+        return [*kept, f"then {type(err).__name__}: {err}"]
+    if isinstance(err, KeyError) and "already holds" in str(err):
+        return [
+            f"the ledger already holds {_held_label(err)}: something allocated"
+            " under that label was never freed"
+        ]
+    return [f"{type(err).__name__}: {err}"]
 
-    def snapshot_then(step, grad_shards, into):  # step, after copying the gradient shards
-        def call():
-            into.update({name: shard.copy() for name, shard in grad_shards.items()})
-            step()
 
-        return call
-
-    for label, strategy_class, options in (("zero3", zero3.ZeRO3, OPTIONS["zero3"]),
-                                           ("yours", MyZeRO3, {})):  # fmt: skip
-        comm, model, rng = Comm.world(), MLP(ModelConfig()), make_rng(42)
-        ledger = MemoryLedger(comm.rank)
-        strategy = strategy_class(model, Adam(lr=1e-3), comm, ledger, **options)
-        strategy.load_params(model.init_params(rng))
-        sampler = GlobalBatchSampler(data.X_train, data.Y_train, 32, rng)
-        returned = []  # what materialize and grad_buffer return: None means not solved yet
-        if label == "yours":
-            for hook in ("materialize", "grad_buffer"):
-                setattr(strategy, hook, watched(getattr(strategy, hook), returned))
-            strategy.release = _kept(strategy, "release", "gathered", kept)
-            strategy.reduce_grads = _kept(strategy, "reduce_grads", "full_grads", kept)
-        reduced = {}  # the gradient shards as the update found them (Adam uses them as scratch)
-        strategy.step = snapshot_then(strategy.step, strategy.grad_shards, reduced)
-        losses = []
-        try:
-            for _ in range(steps):
-                X, Y = sampler.next()
-                X, Y = rank_slice(X, comm.rank, comm.size), rank_slice(Y, comm.rank, comm.size)
-                losses.append(train_step(model, strategy, X, Y))
-        except Exception as err:
-            if any(r is None for r in returned):
-                return None
-            if kept:  # the cause, before what it led to
-                return [*kept, f"then {type(err).__name__}: {err}"]
-            if isinstance(err, KeyError) and "already holds" in str(err):
-                return [
-                    f"the ledger already holds {_held_label(err)}: something allocated"
-                    " under that label was never freed"
-                ]
-            return [f"{type(err).__name__}: {err}"]
-        if any(r is None for r in returned):
-            return None
-        outcome[label] = (losses, strategy.param_shards, reduced, comm.traffic_report(),
-                          ledger.peak)  # fmt: skip
-    (losses, params, grads, traffic, peak) = outcome["zero3"]
-    (my_losses, my_params, my_grads, my_traffic, my_peak) = outcome["yours"]
-    problems = list(kept)
+def _traffic_problems(traffic, my_traffic):
+    """Each collective whose calls or bytes differ from zero3's."""
+    problems = []
     for kind in sorted(set(traffic) | set(my_traffic)):
         want = {k: traffic.get(kind, {}).get(k, 0) for k in ("calls", "buffer_bytes")}
         got = {k: my_traffic.get(kind, {}).get(k, 0) for k in ("calls", "buffer_bytes")}
@@ -112,6 +113,12 @@ def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's c
                 f"{kind}: {got['calls']} calls moving {got['buffer_bytes']:,} bytes,"
                 f" zero3 makes {want['calls']} moving {want['buffer_bytes']:,}"
             )
+    return problems
+
+
+def _peak_problems(peak, my_peak):
+    """Each ledger category whose peak is above (held too long) or below (uncounted) zero3's."""
+    problems = []
     for category in peak:
         if my_peak[category] != peak[category]:
             more = "more" if my_peak[category] > peak[category] else "less"
@@ -119,9 +126,16 @@ def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's c
                 f"the ledger's peak of {category} is {more} than zero3's: something "
                 f"is held {'too long or twice' if more == 'more' else 'uncounted'}"
             )
-    for name in params:
-        if params[name].size and not np.max(np.abs(my_grads[name] - grads[name])) <= 1e-6:
-            problems.append(f"{name}'s gradient shard at the last update differs by more than 1e-6")
+    return problems
+
+
+def _value_problems(theirs, yours, steps):
+    """The gradient shards at the last update, the losses and the parameter shards after
+    `steps` steps that differ from zero3's by more than 1e-6."""
+    (losses, params, grads), (my_losses, my_params, my_grads) = theirs, yours
+    problems = [f"{name}'s gradient shard at the last update differs by more than 1e-6"
+                for name in params if params[name].size
+                and not np.max(np.abs(my_grads[name] - grads[name])) <= 1e-6]  # fmt: skip
     problems += [f"step {step}: the loss differs from zero3's by more than 1e-6"
                  for step, (mine, loss) in enumerate(zip(my_losses, losses, strict=True))
                  if not abs(mine - loss) <= 1e-6]  # fmt: skip
@@ -129,6 +143,32 @@ def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's c
                  for name in params if params[name].size
                  and not np.max(np.abs(my_params[name] - params[name])) <= 1e-6]  # fmt: skip
     return problems
+
+
+def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's class)
+    # On every rank: the package's ZeRO3 (no prefetch) and the learner's MyZeRO3 train the same
+    # `steps` Adam steps. None while a hook still returns None; else a list of what differs.
+    from ..data import Dataset
+    from ..strategies import zero3
+
+    data, kept, outcome = Dataset.load(), [], {}
+    for label, strategy_class, options in (("zero3", zero3.ZeRO3, OPTIONS["zero3"]),
+                                           ("yours", MyZeRO3, None)):  # fmt: skip
+        returned = []  # what materialize and grad_buffer return: None means not solved yet
+        try:
+            outcome[label] = _zero3_run(strategy_class, options, data, steps, returned, kept)
+        except Exception as err:
+            return None if any(r is None for r in returned) else _raised_problems(err, kept)
+        if any(r is None for r in returned):
+            return None
+    (losses, params, grads, traffic, peak) = outcome["zero3"]
+    (my_losses, my_params, my_grads, my_traffic, my_peak) = outcome["yours"]
+    return [
+        *kept,
+        *_traffic_problems(traffic, my_traffic),
+        *_peak_problems(peak, my_peak),
+        *_value_problems((losses, params, grads), (my_losses, my_params, my_grads), steps),
+    ]
 
 
 def check_my_zero3(ranks) -> bool:
