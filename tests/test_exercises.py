@@ -148,7 +148,14 @@ def test_hiding_batch_checker_names_the_stage_and_hides_the_formula(capsys, stud
         lambda stage, n, flops, bandwidth: key("dp", n, flops, bandwidth)
     )
     out = lines(capsys)
-    assert out[-1].startswith("✗ hiding_batch (zero3): item 0: too small")
+    assert out[-1] == (
+        "✗ hiding_batch (zero3): dp's batch — zero3 moves more bytes per step than dp: it"
+        " gathers every layer in forward and again in backward"
+    )
+    assert not communication.check_hiding_batch(
+        lambda stage, n, flops, bandwidth: 1.2 * key(stage, n, flops, bandwidth)
+    )
+    assert lines(capsys)[-1].startswith("✗ hiding_batch (dp): item 0: too large (and 5 more)")
     assert communication.batch_that_hides("zero3", 512, 989e12, 50e9) == pytest.approx(
         key("zero3", 512, 989e12, 50e9)
     )
@@ -337,8 +344,15 @@ def test_n_rows_and_rows_of_rank_name_the_item_and_hide_the_value(capsys, studen
         "✗ n_rows: item 0: one too few (and 2 more) — count the tokens of a name, the boundary"
         " included"
     )
-    assert block.startswith("✗ rank 2 of 8: item 0: too large by a factor of 4 (and 3 more)")
+    assert block == (
+        "✗ rank 2 of 8: a contiguous block of the batch — section 6's rule interleaves the"
+        " ranks, it does not cut the batch into blocks"
+    )
     assert "not solved yet" in stub and "not solved yet" in stub_2
+    assert not dataset.check_rows_of_rank([b for b in range(32) if b % 8 == 3])  # from 1
+    assert lines(capsys) == ["✗ rank 2 of 8: rank 3's rows — ranks count from 0"]
+    assert not dataset.check_rows_of_rank([2, 10, 18, 27])
+    assert lines(capsys)[0].startswith("✗ rank 2 of 8: item 3: one too many")
 
 
 def test_tp_verdict_names_the_mistake_the_shape_and_the_extra_allreduce(capsys, student):
@@ -410,6 +424,13 @@ def wrong_attention(mask_offset=0, axis=-1, scale=None, masked=True):
     return attention
 
 
+def right_attention_masked_by_0(q, k, v):
+    """A learner's attention that multiplies the scores by the causal mask (0 for a later key)."""
+    s = q @ k.T / np.sqrt(q.shape[-1]) * np.tril(np.ones((len(q), len(k))))
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True) @ v
+
+
 def test_causal_attention_checker_accepts_the_key_and_names_each_mistake(capsys, student):
     assert transformer.check_causal_attention(right_attention)
     assert lines(capsys)[0].startswith("✓ causal_attention: correct")
@@ -420,6 +441,7 @@ def test_causal_attention_checker_accepts_the_key_and_names_each_mistake(capsys,
         "taken over the queries (axis 0)": wrong_attention(axis=0),
         "not scaled: divide q k^T by sqrt(d)": wrong_attention(scale=1.0),
         "the scores are divided by d": wrong_attention(scale=0.25),  # d = 4 in the first case
+        "the masked scores are 0, not -inf": lambda q, k, v: right_attention_masked_by_0(q, k, v),
     }
     for says, answer in mistakes.items():
         assert not transformer.check_causal_attention(answer)
@@ -450,6 +472,8 @@ def test_block_shard_checker_accepts_the_key_and_names_each_mistake(capsys, stud
             4 * -(-(numel(e, f) + e) // n)
         ),
         "the LayerNorms are missing": lambda e, f, n: 4 * -(-(numel(e, f) - 4 * e) // n),
+        "four emb × emb matrices is missing": lambda e, f, n: 4 * -(-(numel(e, f) - e * e) // n),
+        "a shift as well as a gain": lambda e, f, n: 4 * -(-(numel(e, f) - 2 * e) // n),
     }
     for says, answer in mistakes.items():
         assert not transformer.check_block_shard_bytes(answer)
@@ -481,6 +505,7 @@ def test_the_merge_checker_passes_the_key_and_names_each_mistake(capsys, student
     assert capsys.readouterr().out.startswith("✓ my_merge: correct")
     wrong = {
         "the plain average of the two parts": lambda o1, l1, o2, l2: ((o1 + o2) / 2, l1),
+        "out is the sum of the two parts": lambda o1, l1, o2, l2: (o1 + o2, l1),
         "the weights do not add up to one": unnormalised,
         "lse is the larger of the two": lambda *p: (key_merge(*p)[0], np.maximum(p[1], p[3])),
         "lse is lse1 + lse2": lambda *p: (key_merge(*p)[0], p[1] + p[3]),

@@ -70,6 +70,11 @@ def merge_mistakes(
     return {
         "out is the plain average of the two parts — a part whose scores carry more of the "
         "softmax's mass must weigh more": ((out1 + out2) / 2, None),
+        "out is the sum of the two parts — each part is already a weighted average (its"
+        " softmax's weights add up to 1), so the merge's two weights must add up to 1 too": (
+            out1 + out2,
+            None,
+        ),
         "out weights each part by exp(its lse - the larger lse), but the weights do not add up "
         "to one — renormalise": (w1 * out1 + w2 * out2, None),
         "out weights each part by the other part's share — the weights are swapped": (

@@ -3,7 +3,8 @@ transformer block's parameter shard under zero3 (exercise 2).
 
 Each computes the expected answer with the package (attention.attention; the block's own
 shapes in a FlatParam) and names the usual mistake an answer makes (no mask, a mask off by one,
-the softmax over the wrong axis, no 1/sqrt(d); a key bias, no padding, elements for bytes)
+the softmax over the wrong axis, no 1/sqrt(d), masked scores of 0; a key bias, wo or a
+LayerNorm's shift forgotten, no padding, elements for bytes)
 without printing the expected value.
 """
 
@@ -29,12 +30,14 @@ def _softmax(s: np.ndarray, axis: int) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def _scores(q: np.ndarray, k: np.ndarray, scale: float, sees: int) -> np.ndarray:
-    """q k^T * scale, -inf where key j comes more than `sees` places before ... after query i:
-    a key j is seen when j <= i + sees (sees 0: causal)."""
+def _scores(
+    q: np.ndarray, k: np.ndarray, scale: float, sees: int, masked: float = -np.inf
+) -> np.ndarray:
+    """q k^T * scale, `masked` (-inf) where key j comes more than `sees` places before ...
+    after query i: a key j is seen when j <= i + sees (sees 0: causal)."""
     s = q @ k.T * scale
     T = len(q)
-    s[np.arange(T)[None, :] > np.arange(T)[:, None] + sees] = -np.inf
+    s[np.arange(T)[None, :] > np.arange(T)[:, None] + sees] = masked
     return s
 
 
@@ -55,6 +58,8 @@ def attention_mistakes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str,
         "the scores are not scaled: divide q k^T by sqrt(d)": _softmax(_scores(q, k, 1.0, 0), -1)
         @ v,
         "the scores are divided by d: divide by sqrt(d)": _softmax(_scores(q, k, 1 / d, 0), -1) @ v,
+        "the masked scores are 0, not -inf: exp(0) = 1 still gives every later key a weight;"
+        " set them to -inf before the softmax": _softmax(_scores(q, k, right, 0, 0.0), -1) @ v,
         "the mask zeroes the weights after the softmax: mask the scores (with -inf) before it,"
         " so each row still sums to 1": (
             (_softmax(q @ k.T * right, -1) * np.tril(np.ones((len(q), len(k))))) @ v
@@ -149,6 +154,9 @@ def shard_mistake(answer, emb: int, hidden: int, n: int) -> str | None:
         " a shift of emb each",
         4 * -(-(numel - 2 * emb - hidden) // n): "the biases of the MLP and of the projection"
         " are missing",
+        4 * -(-(numel - emb * emb) // n): "one of the attention's four emb × emb matrices is"
+        " missing: q, k, v and the output projection wo",
+        4 * -(-(numel - 2 * emb) // n): "each LayerNorm has a shift as well as a gain, emb each",
     }
     if value in known:
         return known[value]
