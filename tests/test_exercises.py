@@ -22,6 +22,7 @@ from fsdp_lesson.exercises import (
     checkpoints,
     communication,
     context,
+    data_parallel,
     dataset,
     fsdp_practice,
     many_hosts,
@@ -332,6 +333,21 @@ def test_my_1f1b_names_the_stage_and_the_mistake(capsys, student):
     assert out[4] == "✗ my_1f1b: stage 0 of 2, M = 2: 1 ops where 4 are due"
 
 
+def test_a_mean_that_is_not_one_is_named_in_words_that_read():
+    """allreduce_mean's and average_grads' lines: "buf is ..." whatever the mistake."""
+    given, total = np.ones(3), np.full(3, 4.0)
+    how = data_parallel._mean_or_what(np.zeros(3), total / 4, total, given, 4)
+    assert (
+        how
+        == "all zeros: this rank received nothing (a Reduce leaves the result on its root alone)"
+    )
+    how = data_parallel._mean_or_what(np.full(3, 2.0), total / 4, total, given, 4)
+    assert how == "not the mean over the ranks: off by more than 1e-06"
+    assert data_parallel._mean_or_what(np.ones(2), total / 4, total, given, 4).startswith(
+        "of shape (2,), not the buffer's"
+    )
+
+
 def test_n_rows_and_rows_of_rank_name_the_item_and_hide_the_value(capsys, student):
     assert dataset.check_n_rows(lambda L: L + 1)
     assert not dataset.check_n_rows(lambda L: L)
@@ -570,6 +586,22 @@ def test_the_ring_step_rehearsal_passes_the_key_and_names_each_mistake():
     for words, mistake in cases.items():
         line = rehearse_ring(lambda *a, mistake=mistake: key_ring_step(*a, **mistake))
         assert line.startswith(words), (words, line)
+
+    def own_block_twice(q, k, v, out, lse, positions, cp):
+        key_ring_step(q, k, v, out, lse, positions, cp)  # the messages, then the wrong block
+        return merge(out, lse, *attention(q, k, v, positions[cp.rank], positions[cp.rank]))
+
+    def averaged(q, k, v, out, lse, positions, cp):
+        part = key_ring_step(q, k, v, out, lse, positions, cp, merged=False)
+        return (out + part[0]) / 2, np.logaddexp(lse, part[1])
+
+    assert rehearse_ring(own_block_twice) == (
+        "rank 0 merged its own block in a second time: attend to the received block's keys and"
+        " values"
+    )
+    assert rehearse_ring(averaged) == (
+        "rank 0: lse is right, out is not — merge the two outputs as exercise A does"
+    )
 
 
 def test_the_ring_step_rehearsal_stops_what_would_hang_or_cannot_be_a_block():

@@ -397,6 +397,9 @@ CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
     "03": [
         ("def allreduce_mean(comm, buf):\n    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)\n"
          "    return buf", data_parallel.check_allreduce_mean),
+        ("def allreduce_mean(comm, buf):\n    out = np.zeros_like(buf)\n"
+         "    comm.Reduce(buf, out, op=MPI.SUM, root=0)\n    buf[...] = out / comm.size\n"
+         "    return buf", data_parallel.check_allreduce_mean),
         ("def allreduce_mean(comm, buf):\n    out = np.empty_like(buf)\n"
          "    comm.Allreduce(buf, out, op=MPI.SUM)\n    return out / comm.size",
          data_parallel.check_allreduce_mean),
@@ -426,6 +429,10 @@ CLUSTER_CASES = {  # notebook -> (the engines' wrong definition, the checker)
         (CLIP.format(norm="np.sqrt(squares)"), fsdp_practice.check_clip_factor),
         (CLIP.format(norm="np.sqrt(comm.mean_scalar(squares))"), fsdp_practice.check_clip_factor),
         (CLIP.format(norm="comm.mean_scalar(float(np.sqrt(squares)))"),
+         fsdp_practice.check_clip_factor),
+        ("def clip_factor(grad_shards, comm, max_norm):\n"  # no min(1.0, ...): it scales up
+         "    squares = sum(float(np.dot(g.astype(np.float64), g)) for g in grad_shards.values())\n"
+         "    return max_norm / (np.sqrt(comm.mean_scalar(squares) * comm.size) + 1e-6)",
          fsdp_practice.check_clip_factor),
         # exercise 3's groups: strided shard groups, then consecutive replicate groups too
         ("", lambda ranks: fsdp_practice.check_groups(ranks, hsdp_groups(strided_shards=True),

@@ -24,14 +24,18 @@ def _mean_or_what(mine: np.ndarray, mean: np.ndarray, total: np.ndarray, given: 
                   n: int) -> str | None:  # fmt: skip
     """None if mine is the mean; else how it is wrong, in words that do not give it away."""
     if mine.shape != mean.shape:
-        return f"shape {mine.shape}, not the buffer's {mean.shape}"
+        return f"of shape {mine.shape}, not the buffer's {mean.shape}"
     if np.max(np.abs(mine - mean), initial=0) <= ATOL:
         return None
     if np.max(np.abs(mine - total), initial=0) <= ATOL:
         return f"too large by a factor of {n} (N): the sum over the ranks, not their mean"
     if np.array_equal(mine, given):
         return "still this rank's own values: nothing was combined with the other ranks"
-    return f"differs from the mean over the ranks by more than {ATOL:.0e}"
+    if not mine.any():
+        return (
+            "all zeros: this rank received nothing (a Reduce leaves the result on its root alone)"
+        )
+    return f"not the mean over the ranks: off by more than {ATOL:.0e}"
 
 
 def _try_allreduce_mean(allreduce_mean) -> str | None:

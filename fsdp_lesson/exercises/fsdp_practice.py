@@ -119,8 +119,10 @@ def clip_factors_on_a_rank(max_norm: float = 0.001) -> dict[str, float]:
         return min(1.0, max_norm / (of_norm + 1e-6))
 
     answer = __main__.clip_factor(strategy.grad_shards, comm, max_norm)
+    above = __main__.clip_factor(strategy.grad_shards, comm, 1e6 * (norm + 1))  # no clipping
     return {
         "answer": None if not_solved(answer) else float(answer),
+        "above": None if not_solved(above) else float(above),
         "whole": factor(norm),
         "own shards": factor(np.sqrt(squares)),
         "mean of squares": factor(np.sqrt(comm.mean_scalar(squares))),
@@ -146,6 +148,12 @@ def check_clip_factor(ranks, atol: float = 1e-6) -> bool:
     if any(f["answer"] is None for f in factors):
         return fail(f"✗ {name}: {NOT_SOLVED}")
     wrong = [r for r, f in enumerate(factors) if not abs(f["answer"] - f["whole"]) <= atol]
+    grows = [r for r, f in enumerate(factors) if f["above"] is None or f["above"] != 1.0]
+    if not wrong and grows:
+        return fail(
+            f"✗ {name}: rank {grows[0]}: with a max_norm far above the gradient's norm the factor"
+            " is not 1: clipping may shrink a gradient, never scale it up"
+        )
     if not wrong:
         print(f"✓ {name}: correct on all {len(factors)} ranks")
         return True
