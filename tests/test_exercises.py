@@ -314,6 +314,21 @@ def test_rank_1_of_3_checks_both_answers(capsys, student):
     out = lines(capsys)
     assert out[-2].startswith("✗ fc1_rank_1_of_3: item 0: one too few")
     assert str(size) not in out[-2].replace(",", "")
+    # no hint gives the formula; each usual mistake is named
+    assert out[-2].endswith("— the slices are S long each, in rank order")
+    down = numel // 3
+    assert not checkpoints.check_rank_1_of_3((down, 2 * down), 3 * size - numel, ModelConfig())
+    assert lines(capsys)[-2].endswith("— S rounded down: three slices of S must hold all of fc1")
+    assert not checkpoints.check_rank_1_of_3((0, size), 3 * size - numel, ModelConfig())
+    assert lines(capsys)[-2].endswith("— rank 0's slice: ranks count from 0")
+    # the padding (1 here) is never "too large by a factor of" the answer itself
+    for answer, says in {
+        3 * size: "too large — that is the padded vector's whole length",
+        numel - 3 * (numel // 3): "one too many — what S rounded down leaves out",
+        5: "too large — the padding fills up the last slice to S",
+    }.items():
+        assert not checkpoints.check_rank_1_of_3((size, 2 * size), answer, ModelConfig())
+        assert lines(capsys)[-1].startswith(f"✗ fc1_padding_at_3: {says}")
 
 
 def test_my_1f1b_names_the_stage_and_the_mistake(capsys, student):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_lesson.checkpoint import rank_file
-from fsdp_lesson.checks import check, fail, how_wrong
+from fsdp_lesson.checks import check, fail, how_wrong, not_solved
 from fsdp_lesson.flat import FlatParam
 
 
@@ -91,14 +91,43 @@ def check_rank_1_of_3(rank_1: tuple, padding: int, model_config) -> bool:
 
     fc1 = next(layer for layer in MLP(model_config).layers if layer.name == "fc1")
     f = FlatParam(fc1.shapes, 3)
+    size, down = f.shard_size, f.numel // 3  # S, and S rounded down (the usual mistake)
+    named = {  # the usual wrong (start, stop), by what its hint says
+        (down, 2 * down): "S rounded down: three slices of S must hold all of fc1",
+        (size, 2 * size - 1): "stop is exclusive, as in a Python slice",
+        (0, size): "rank 0's slice: ranks count from 0",
+        (2 * size, 3 * size): "rank 2's slice: ranks count from 0",
+    }
+    answer = tuple(rank_1) if isinstance(rank_1, (tuple, list)) else rank_1
     owned = check(
         "fc1_rank_1_of_3",
         rank_1,
         f.shard_range(1),
-        hint="S = ceil(numel / N); rank r owns [r·S, (r+1)·S)",
+        hint=named.get(answer, "the slices are S long each, in rank order"),
     )
-    padded = check("fc1_padding_at_3", padding, f.padding, hint="N·S − numel")
+    padded = _check_padding(padding, f, f.numel - 3 * down)  # both answers judged, always
     return owned and padded
+
+
+def _check_padding(padding, f: FlatParam, short: int) -> bool:
+    """fc1_padding_at_3 against f.padding; `short` is what three slices rounded down leave out.
+    Never "by a factor of k": with a padding of 1 that factor would be the answer itself."""
+    name = "fc1_padding_at_3"
+    if not_solved(padding) or padding == f.padding:
+        return check(name, padding, f.padding)
+    if not isinstance(padding, (int, float, np.integer, np.floating)):
+        return fail(f"✗ {name}: {how_wrong(padding, f.padding)} — a number of elements")
+    if padding == short:
+        how = "what S rounded down leaves out: with S rounded up the slices hold more than fc1"
+    elif padding == f.padded_numel:
+        how = "that is the padded vector's whole length: count only what it adds to fc1"
+    else:
+        how = "the padding fills up the last slice to S"
+    if padding == -f.padding:
+        return fail(f"✗ {name}: the sign is wrong — {how}")
+    if abs(padding - f.padding) == 1:
+        return fail(f"✗ {name}: one too {'many' if padding > f.padding else 'few'} — {how}")
+    return fail(f"✗ {name}: too {'large' if padding > f.padding else 'small'} — {how}")
 
 
 def file_array_bytes(path: Path) -> int:
