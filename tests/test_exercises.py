@@ -248,6 +248,24 @@ def test_the_rehearsal_refuses_a_float64_buffer_and_names_a_missing_send(seed_pa
         assert f"✗ my_stage_pass: {line}" in guide, f"teaching.md 12 should quote {line!r}"
 
 
+def test_a_stage_gradient_that_differs_is_described_not_just_measured():
+    g = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    assert pipeline.gradient_mistake(g, g) is None
+    assert (
+        pipeline.gradient_mistake(32 * g, g) == "too large by a factor of 32 (the same direction)"
+    )
+    assert pipeline.gradient_mistake(g / 4, g) == "too small by a factor of 4 (the same direction)"
+    assert pipeline.gradient_mistake(-g, g) == "the sign is wrong"
+    assert pipeline.gradient_mistake(0 * g, g) == (
+        "all zeros: this layer's backward never wrote its gradient"
+    )
+    assert pipeline.gradient_mistake(g.T, g) == "shape (3, 4), expected (4, 3)"
+    assert (
+        pipeline.gradient_mistake(g + 1, g)
+        == "differs by more than 1e-06 (not by a constant factor)"
+    )
+
+
 def test_no_checker_line_prints_an_expected_figure(capsys, student):
     memory.check_smallest_n_70b(26)
     text = capsys.readouterr().out

@@ -166,7 +166,7 @@ def stage_pass_items() -> list | str:
 def check_stage_pass(ranks) -> bool:
     """Exercise 1 on the four engines: the rehearsal's first line, or one verdict over the
     real run's gradients against single-rank training's."""
-    from fsdp_lesson.checks import fail, verdict
+    from fsdp_lesson.checks import NOT_SOLVED, fail, not_solved
     from fsdp_lesson.cluster import RankError
 
     try:
@@ -184,12 +184,39 @@ def check_stage_pass(ranks) -> bool:
     lines = [line for line in per_rank if isinstance(line, str) and line]
     if lines:
         return fail(f"✗ my_stage_pass: {lines[0]}")
-    return verdict(
-        "my_stage_pass",
-        per_rank,
-        hint="forward: receive, run the layers, send on (or the loss); backward: "
-        "receive the gradient (or the loss's), layers in reverse, send dx back",
+    if any(not_solved(answer) for items in per_rank for _, answer, _ in items):
+        return fail(f"✗ my_stage_pass: {NOT_SOLVED}")
+    hint = (
+        "forward: receive, run the layers, send on (or the loss); backward: receive the"
+        " gradient (or the loss's), layers in reverse, send dx back"
     )
+    for r, items in enumerate(per_rank):
+        for what, answer, expected in items:
+            how = gradient_mistake(answer, expected)
+            if how:
+                return fail(f"✗ my_stage_pass: rank {r}, {what}: {how} — {hint}")
+    print(f"✓ my_stage_pass: correct on all {len(per_rank)} ranks")
+    return True
+
+
+def gradient_mistake(answer, expected, atol: float = 1e-6) -> str | None:
+    """How a stage's gradient differs from single-rank training's, in words (None: within
+    atol): a wrong shape, nothing written, the sign, a constant factor, else how far."""
+    a, e = np.asarray(answer, np.float64), np.asarray(expected, np.float64)
+    if a.shape != e.shape:
+        return f"shape {a.shape}, expected {e.shape}"
+    if np.max(np.abs(a - e), initial=0) <= atol:
+        return None
+    if not a.any():
+        return "all zeros: this layer's backward never wrote its gradient"
+    if np.max(np.abs(a + e)) <= atol:
+        return "the sign is wrong"
+    k = float(np.dot(a.ravel(), e.ravel()) / np.dot(e.ravel(), e.ravel()))
+    if k > 0 and np.max(np.abs(a - k * e)) <= atol + 1e-4 * np.max(np.abs(a)):
+        if k > 1:
+            return f"too large by a factor of {k:.3g} (the same direction)"
+        return f"too small by a factor of {1 / k:.3g} (the same direction)"
+    return f"differs by more than {atol:.0e} (not by a constant factor)"
 
 
 def _leading_forwards(ops) -> int:
