@@ -966,6 +966,8 @@ def test_tensor_parallel_checkers_name_the_rank_the_array_and_the_mistake(engine
         " sum": "logits += p2['b']\n    tp.allreduce_sum(logits)",
         "✗ tp_forward: rank 0: the values are right, but tp counted 2 allreduce calls": "tp."
         "allreduce_sum(logits)\n    tp.allreduce_sum(np.zeros(1))\n    logits += p2['b']",
+        "✗ tp_forward: rank 0, h: h after the ReLU: return fc1's output before it": "tp."
+        "allreduce_sum(logits)\n    logits += p2['b']\n    h = np.maximum(h, 0)",
     }
     for line, reduce in forward.items():
         on_engines(engines, FORWARD_11.format(reduce=reduce))
@@ -981,6 +983,11 @@ def test_tensor_parallel_checkers_name_the_rank_the_array_and_the_mistake(engine
         "dx)\n    tp.allreduce_sum(g2['b'])",
         "✗ tp_backward: rank 0, fc1's W gradient: shape (16, 256), where (256, 16) is"
         " expected": "tp.allreduce_sum(dx)\n    g1['W'] = g1['W'].T",
+        "✗ tp_backward: rank 0, fc1's W gradient: the ReLU's backward is missing between fc2"
+        " and fc1": "tp.allreduce_sum(dx)\n    g1 = {'W': x.T @ (dlogits @ p2['W'].T),"
+        " 'b': (dlogits @ p2['W'].T).sum(axis=0)}",
+        "✗ tp_backward: rank 0, fc2's W gradient: fc2's input is the ReLU's output, not h": "tp."
+        "allreduce_sum(dx)\n    g2['W'] = h.T @ dlogits",
     }
     for line, reduce in backward.items():
         on_engines(engines, BACKWARD_11.format(reduce=reduce))

@@ -129,7 +129,18 @@ def forward_on_a_rank() -> dict | None:
         "no bias": y - b,
     }
     return {
-        "items": [("the logits", mine[0], y, logits), ("h", mine[1], h, {})],
+        "items": [
+            ("the logits", mine[0], y, logits),
+            (
+                "h",
+                mine[1],
+                h,
+                {
+                    "h after the ReLU: return fc1's output before it (backward"
+                    " needs it to know where the ReLU passed)": np.maximum(h, 0)
+                },
+            ),
+        ],
         "allreduces": (after[0] - before[0], after[1] - before[1]),
         "needed": (1, y.nbytes),
     }
@@ -171,9 +182,20 @@ def backward_on_a_rank() -> dict | None:
         return None
     g1, g2, mine_dx = mine
     want1, want2 = split.layers[1].piece(grads["fc1"]), split.layers[3].piece(grads["fc2"])
-    items = [(f"fc1's {key} gradient", g1.get(key), want1[key], {}) for key in ("W", "b")]
+    unmasked = dlogits @ p2["W"].T  # da, without the ReLU's mask
+    no_mask = {"W": x.T @ unmasked, "b": unmasked.sum(axis=0)}
+    items = [
+        (f"fc1's {key} gradient", g1.get(key), want1[key],
+         {"the ReLU's backward is missing between fc2 and fc1": no_mask[key]})
+        for key in ("W", "b")
+    ]  # fmt: skip
     items += [
-        ("fc2's W gradient", g2.get("W"), want2["W"], {}),
+        (
+            "fc2's W gradient",
+            g2.get("W"),
+            want2["W"],
+            {"fc2's input is the ReLU's output, not h": h.T @ dlogits},
+        ),  # fmt: skip
         (
             "fc2's b gradient",
             g2.get("b"),
