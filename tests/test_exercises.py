@@ -282,10 +282,28 @@ def test_count_params_and_relu_backward_name_the_item_and_hide_the_value(capsys,
     assert single_rank.check_relu_backward(lambda x, dout: dout * (x > 0))
     assert not single_rank.check_relu_backward(lambda x, dout: np.maximum(dout, 0))
     _, biases, stub, _, gate = lines(capsys)
-    assert biases.startswith("✗ count_params: item 0: too small")
-    assert str(MLP(ModelConfig()).num_params) not in biases.replace(",", "")
+    assert biases == "✗ count_params: the biases are missing: fc1 and fc2 each have one"
     assert "not solved yet" in stub
-    assert gate.startswith("✗ relu_backward: item (0, ")
+    assert (
+        gate == "✗ relu_backward: the ReLU of dout: which entries pass is decided by x, the cache"
+    )
+    assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) - V * E)
+    assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) - (S - 1) * E * H)
+    assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) + 1)
+    no_emb, no_context, other = lines(capsys)
+    assert no_emb.startswith("✗ count_params: the embedding's table is missing")
+    assert no_context.startswith("✗ count_params: fc1.W too small: fc1 reads the whole context")
+    assert other.startswith("✗ count_params: item 0: one too many (and 2 more)")
+    assert str(MLP(ModelConfig()).num_params) not in other.replace(",", "")
+    for wrong, says in {
+        lambda x, dout: x > 0: "the ReLU's derivative alone",
+        lambda x, dout: dout * (x < 0): "the gate is the wrong way round",
+        lambda x, dout: np.maximum(x, 0): "that is the forward, max(x, 0)",
+        lambda x, dout: dout: "dout everywhere",
+        lambda x, dout: 2 * dout * (x > 0): "item (0, 0): too large by a factor of 2",
+    }.items():
+        assert not single_rank.check_relu_backward(wrong)
+        assert lines(capsys)[0].startswith(f"✗ relu_backward: {says}")
 
 
 def test_prefetch_order_is_zero3s_own_choice():

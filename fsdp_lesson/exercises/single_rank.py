@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..checks import check
+from ..checks import check, fail, not_solved
 from ..config import ModelConfig
 from ..model import MLP, ReLU
 
@@ -19,8 +19,21 @@ def check_count_params(count_params: Callable) -> bool:
     """Exercise 1: count_params(V, S, E, H) against `MLP(...).num_params` of the seed's
     vocabulary and context with three embedding and hidden sizes."""
     config = ModelConfig()
-    answers = [count_params(config.vocab_size, config.seq_len, e, h) for e, h in SIZES]
+    V, S = config.vocab_size, config.seq_len  # noqa: N806  (the exercise's names)
+    answers = [count_params(V, S, e, h) for e, h in SIZES]
     expected = [MLP(ModelConfig(emb=e, hidden=h)).num_params for e, h in SIZES]
+    mistakes = {  # the usual wrong counts, by what the checker says of them
+        "the biases are missing: fc1 and fc2 each have one": lambda e, h: V * e + S * e * h + h * V,
+        "the embedding's table is missing: emb.W, one row of E per token": lambda e, h: (
+            S * e * h + h + h * V + V
+        ),
+        "fc1.W too small: fc1 reads the whole context, S embeddings of E numbers side by side": (
+            lambda e, h: V * e + e * h + h + h * V + V
+        ),
+    }
+    for says, count in mistakes.items():
+        if not not_solved(answers) and answers == [count(e, h) for e, h in SIZES]:
+            return fail(f"✗ count_params: {says}")
     return check(
         "count_params",
         answers,
@@ -37,9 +50,22 @@ def check_relu_backward(relu_backward: Callable) -> bool:
     x = random.standard_normal((4, 5)).astype(np.float32)
     dout = random.standard_normal((4, 5)).astype(np.float32)
     expected = ReLU("relu").backward({}, x, dout, {})
+    answer = relu_backward(x.copy(), dout.copy())
+    mistakes = {  # the usual wrong backwards, by what the checker says of them
+        "the ReLU of dout: which entries pass is decided by x, the cache": np.maximum(dout, 0),
+        "the ReLU's derivative alone: the chain rule multiplies it with dout": x > 0,
+        "the gate is the wrong way round: the ReLU passes what comes from positive x": dout
+        * (x < 0),
+        "that is the forward, max(x, 0): backward returns dL/dx": np.maximum(x, 0),
+        "dout everywhere: where x < 0 the output does not change with x": dout,
+    }
+    if not not_solved(answer) and np.shape(answer) == expected.shape:
+        for says, wrong in mistakes.items():
+            if np.allclose(np.asarray(answer, np.float64), wrong, rtol=0, atol=1e-6):
+                return fail(f"✗ relu_backward: {says}")
     return check(
         "relu_backward",
-        relu_backward(x.copy(), dout.copy()),
+        answer,
         expected,
-        hint="the gradient passes where x > 0 and is 0 elsewhere",
+        hint="dL/dx is dout through the ReLU's derivative (section 4)",
     )
