@@ -266,6 +266,15 @@ def test_a_stage_gradient_that_differs_is_described_not_just_measured():
     )
 
 
+def test_a_zero3_shard_that_is_n_times_the_mean_is_named():
+    g = np.random.default_rng(0).standard_normal(8).astype(np.float32)
+    assert zero3._how_shard_differs(4 * g, g) == (
+        "is 4 times zero3's: the sum over the ranks, where zero3 keeps their mean?"
+    )
+    assert zero3._how_shard_differs(g + 1, g) == "differs by more than 1e-6"
+    assert zero3._how_shard_differs(g / 4, g) == "differs by more than 1e-6"
+
+
 def test_no_checker_line_prints_an_expected_figure(capsys, student):
     memory.check_smallest_n_70b(26)
     text = capsys.readouterr().out

@@ -507,7 +507,7 @@ from fsdp_lesson.strategies.base import Strategy
 
 class MyZeRO3(Strategy):
     name = "my_zero3"
-    stage = 3
+    shard_level = 3  # as notebook 05's class (the attribute was once `stage`)
 
     def __init__(self, model, optimizer, comm, ledger):
         super().__init__(model, optimizer, comm, ledger)
@@ -547,6 +547,24 @@ class MyZeRO3(Strategy):
         self.comm.reduce_scatter_mean(full, self.grad_shards[layer.name])
         self.ledger.free(f"{layer.name} full grad")
 """
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_my_zero3_that_sums_the_gradients_names_the_factor(ranks, capsys, student):
+    summed = MY_ZERO3.replace(
+        'self.ledger.free(f"{layer.name} gathered")  # the count freed, the array kept',
+        'del self.gathered[layer.name]\n        self.ledger.free(f"{layer.name} gathered")',
+    ).replace("reduce_scatter_mean(", "reduce_scatter_sum(")
+    ranks.view.execute(summed, block=True)
+    assert zero3.check_my_zero3(ranks) is False
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "✗ MyZeRO3 differs from the package's zero3:"
+    assert lines[1].strip() == (
+        "every rank: emb's gradient shard at the last update is 4 times zero3's: the sum over"
+        " the ranks, where zero3 keeps their mean?"
+    )
+    assert lines[1].strip() in " ".join(sections()["05"].split())
 
 
 @pytest.mark.cluster

@@ -133,7 +133,8 @@ def _value_problems(theirs, yours, steps):
     """The gradient shards at the last update, the losses and the parameter shards after
     `steps` steps that differ from zero3's by more than 1e-6."""
     (losses, params, grads), (my_losses, my_params, my_grads) = theirs, yours
-    problems = [f"{name}'s gradient shard at the last update differs by more than 1e-6"
+    how = {name: _how_shard_differs(my_grads[name], grads[name]) for name in params}
+    problems = [f"{name}'s gradient shard at the last update {how[name]}"
                 for name in params if params[name].size
                 and not np.max(np.abs(my_grads[name] - grads[name])) <= 1e-6]  # fmt: skip
     problems += [f"step {step}: the loss differs from zero3's by more than 1e-6"
@@ -143,6 +144,21 @@ def _value_problems(theirs, yours, steps):
                  for name in params if params[name].size
                  and not np.max(np.abs(my_params[name] - params[name])) <= 1e-6]  # fmt: skip
     return problems
+
+
+def _how_shard_differs(mine, theirs) -> str:
+    """'differs by more than 1e-6', or, when mine is a whole multiple of zero3's shard, that
+    multiple named: N times is the sum over the ranks, where zero3 keeps their mean."""
+    mine, theirs = np.asarray(mine, np.float64), np.asarray(theirs, np.float64)
+    if np.any(theirs) and mine.shape == theirs.shape:
+        ratio = float(np.dot(mine, theirs) / np.dot(theirs, theirs))
+        k = round(ratio)
+        # within a few %: Adam's steps hardly depend on a gradient's scale, but not exactly
+        # (its eps), so by the last update the parameters, and zero3's gradient, moved a little
+        if (k >= 2 and abs(ratio - k) <= 0.01 * k
+                and np.max(np.abs(mine - k * theirs)) <= 0.05 * np.max(np.abs(mine))):  # fmt: skip
+            return f"is {k} times zero3's: the sum over the ranks, where zero3 keeps their mean?"
+    return "differs by more than 1e-6"
 
 
 def _my_zero3_problems(MyZeRO3, steps: int = 3):  # noqa: N803  (the learner's class)
