@@ -275,6 +275,26 @@ def test_a_zero3_shard_that_is_n_times_the_mean_is_named():
     assert zero3._how_shard_differs(g / 4, g) == "differs by more than 1e-6"
 
 
+def test_zero3_saving_names_the_usual_mistakes(capsys, student):
+    def key(psi, largest, n):
+        return 4 * psi * (n - 1) / n - 4 * largest
+
+    assert zero3.check_zero3_saving(key)
+    wrong = {
+        lambda psi, largest, n: key(psi, largest, n) - 4 * largest: "two full layers counted",
+        lambda psi, largest, n: key(psi, largest, n) + 4 * largest: "the full layer zero3"
+        " gathers is left out",
+        lambda psi, largest, n: 4 * psi - 4 * largest: "all the parameters saved",
+        lambda psi, largest, n: -key(psi, largest, n): "item 0: the sign is wrong (and 8 more)",
+    }
+    for answer in wrong:
+        assert not zero3.check_zero3_saving(answer)
+    out = lines(capsys)
+    assert out[0] == "✓ zero3_saving: correct"
+    for line, says in zip(out[1:], wrong.values(), strict=True):
+        assert line.startswith(f"✗ zero3_saving: {says}"), line
+
+
 def test_no_checker_line_prints_an_expected_figure(capsys, student):
     memory.check_smallest_n_70b(26)
     text = capsys.readouterr().out

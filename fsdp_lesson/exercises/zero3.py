@@ -8,7 +8,7 @@ import numpy as np
 from ipyparallel import Reference
 
 from .. import plan
-from ..checks import NOT_SOLVED, check, fail
+from ..checks import NOT_SOLVED, check, fail, not_solved
 from ..config import ModelConfig
 
 OPTIONS = {"dp": {}, "zero2": {}, "zero3": {"prefetch": False}}  # notebook 05's zero3
@@ -231,14 +231,33 @@ def check_gather_buffer(gather_buffer_bytes) -> bool:
 def check_zero3_saving(zero3_saving) -> bool:
     """Exercise 4: zero2's bytes per rank minus zero3's (Adam, notebook 05's options) for
     three models at N = 2, 4 and 8, against the planner."""
-    answers, expected = [], []
+    answers, expected, asked = [], [], []
     for config in (ModelConfig(), ModelConfig(layers=2), ModelConfig(layers=4, hidden=256)):
         for k in (2, 4, 8):
             sizes = [plan.padded(size, k) for size in plan.layer_sizes(config)]
-            answers.append(zero3_saving(sum(sizes), max(sizes), k))
+            asked.append((sum(sizes), max(sizes), k))
+            answers.append(zero3_saving(*asked[-1]))
             ledgers = {label: plan.ledger_bytes(label, config, k, "adam", 4, **OPTIONS[label])
                        for label in ("zero2", "zero3")}  # fmt: skip
             expected.append(sum(ledgers["zero2"].values()) - sum(ledgers["zero3"].values()))
+    mistakes = {  # the usual wrong savings, by what the checker says of them
+        "the full layer zero3 gathers is left out: it costs a layer's parameters in full": (
+            lambda psi, largest, n: 4 * psi * (n - 1) / n
+        ),
+        "two full layers counted: zero2 holds a layer's full gradient too, so only zero3's"
+        " gathered parameters are extra": lambda psi, largest, n: (
+            4 * psi * (n - 1) / n - 8 * largest
+        ),
+        "all the parameters saved: each rank still keeps its 1/N of them": (
+            lambda psi, largest, n: 4 * psi - 4 * largest
+        ),
+    }
+    for says, saving in mistakes.items():
+        if not not_solved(answers) and all(
+            isinstance(a, (int, float, np.number)) and abs(a - saving(*q)) <= 0.5
+            for a, q in zip(answers, asked, strict=True)
+        ):
+            return fail(f"✗ zero3_saving: {says}")
     return check(
         "zero3_saving",
         answers,
