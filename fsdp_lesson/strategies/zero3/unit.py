@@ -123,7 +123,8 @@ class Unit:
             self.full_grad = self.ledger.alloc(
                 "buffers", numel, self.grad_label, self.dtype, zeroed=False
             )
-            self.full_grad[self.flat.numel :] = 0  # backward writes all but the padding
+            if self.flat.padding:  # backward writes all but the padding
+                self.full_grad[self.flat.numel :] = 0
             self.full_grad_views = self.views(self.full_grad)
         return self.full_grad_views[layer]
 
