@@ -151,9 +151,13 @@ class Unit:
             replicas.allreduce_mean(self.grad_shard, self.name)
 
 
-def layer_spans(layers: tuple[str, ...], flat: FlatParam) -> tuple:
+# each layer of a unit, and each of its parameters' (name, slice, shape) in the flat vector
+LayerSpans = tuple[tuple[str, tuple[tuple[str, slice, tuple[int, ...]], ...]], ...]
+
+
+def layer_spans(layers: tuple[str, ...], flat: FlatParam) -> LayerSpans:
     """Each layer and its parameters' (name, slice, shape) in the unit's flat vector (none for
-    a ReLU), as (layer, ((name, slice, shape), ...)) pairs."""
+    a ReLU)."""
     spans: dict[str, list] = {layer: [] for layer in layers}
     for key, start, stop, shape in flat.spans:
         layer, name = key.rsplit(".", 1)
