@@ -509,15 +509,8 @@ def train(
     data = data or Dataset.load(seq_len=model_config.seq_len)
     rng = make_rng(tc.seed)
     initial = build_model(model_config).init_params(rng)  # then the batches, from that stream
+    module, schedule, dp_rank, dp_size = torch_model(model_config, tc, initial, size)
     gpt = model_config.model == "gpt"  # predicts every position: the targets are X shifted
-    if gpt and max(tc.tp, tc.pp, tc.cp) > 1:
-        raise ValueError("the bridge trains --model gpt with dp or zero3 alone, not --tp/--pp/--cp")
-    module = (TorchGPT if gpt else TorchMLP)(model_config, initial)
-    schedule = None
-    if tc.pp > 1:  # a stage of the layers on each rank; every stage reads the whole batch
-        (module, schedule), dp_rank, dp_size = pipeline(module, tc), 0, 1
-    else:
-        module, dp_rank, dp_size = wrap(module, tc, size)
     holding_the_loss = size if schedule is None else size // tc.pp  # pp: the last stage
     optimizer = make_optimizer(tc, module.parameters())
     losses, counter, start = np.zeros(tc.steps), CollectiveCounter(), 0
@@ -535,17 +528,7 @@ def train(
             X, Y = next(rows)
             with counter if step == count_step else nullcontext():
                 optimizer.zero_grad(set_to_none=True)
-                if gpt:
-                    logits, targets = module(X).flatten(0, 1), next_tokens(X, Y).flatten()
-                    loss = F.cross_entropy(logits.float(), targets)
-                    loss.backward()
-                    mine = loss.item()
-                elif schedule is None:
-                    loss = F.cross_entropy(module(X).float(), Y)
-                    loss.backward()
-                    mine = loss.item()
-                else:
-                    mine = pipeline_step(schedule, X, Y)
+                mine = local_loss(module, schedule, X, Y, gpt)
                 optimizer.step()
                 # the global loss, as the package's mean_scalar: the tp ranks of a group
                 # hold the same loss, so the mean over all ranks is the mean over dp
@@ -555,18 +538,53 @@ def train(
             if save is not None and step + 1 == save[0]:
                 save_dcp(module, save[1], step + 1, rng, losses)
                 saved = full_params(module)
-    params = full_params(module)
-    if schedule is not None:  # each stage holds its own layers: every rank gets them all
-        stages: list = [None] * size
-        dist.all_gather_object(stages, params)
-        params = {layer: p for stage in stages for layer, p in stage.items()}
     out = {
         "losses": losses,
-        "params": params,
+        "params": every_layer(module, pipelined=schedule is not None),
         "bytes": local_bytes(module, optimizer),
         "traffic": counter.traffic,
     }
     return out if save is None else out | {"saved_params": saved}
+
+
+def every_layer(module: nn.Module, pipelined: bool) -> dict:
+    """Every layer's parameters, whole, on every rank (pipelined: each stage holds its own
+    layers, so the stages exchange them)."""
+    params = full_params(module)
+    if not pipelined:
+        return params
+    stages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, params)
+    return {layer: p for stage in stages for layer, p in stage.items()}
+
+
+def torch_model(
+    model_config: ModelConfig, tc: TrainConfig, initial: dict, size: int
+) -> tuple[nn.Module, object | None, int, int]:
+    """The model as torch modules, from the package's initial parameters, parallelised as tc
+    asks: (module, pipeline schedule or None, this rank's data-parallel rank, dp size)."""
+    gpt = model_config.model == "gpt"
+    if gpt and max(tc.tp, tc.pp, tc.cp) > 1:
+        raise ValueError("the bridge trains --model gpt with dp or zero3 alone, not --tp/--pp/--cp")
+    module = (TorchGPT if gpt else TorchMLP)(model_config, initial)
+    if tc.pp > 1:  # a stage of the layers on each rank; every stage reads the whole batch
+        module, schedule = pipeline(module, tc)
+        return module, schedule, 0, 1
+    module, dp_rank, dp_size = wrap(module, tc, size)
+    return module, None, dp_rank, dp_size
+
+
+def local_loss(module: nn.Module, schedule, X: torch.Tensor, Y: torch.Tensor, gpt: bool) -> float:
+    """One step's forward and backward on this rank; its loss (pp: the last stage's, else 0)."""
+    if schedule is not None:
+        return pipeline_step(schedule, X, Y)
+    if gpt:  # every position predicts its next token
+        logits, targets = module(X).flatten(0, 1), next_tokens(X, Y).flatten()
+    else:
+        logits, targets = module(X), Y
+    loss = F.cross_entropy(logits.float(), targets)
+    loss.backward()
+    return loss.item()
 
 
 def next_tokens(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:

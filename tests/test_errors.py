@@ -57,7 +57,12 @@ CASES = [
     ("hidden-zero", ["--hidden", "0"], 1, "--hidden: must be a positive integer, got 0"),
     ("layers-zero", ["--layers", "0"], 1, "--layers: must be a positive integer, got 0"),
     ("emb-not-a-number", ["--emb", "sixteen"], 1, "--emb: 'sixteen' is not an integer"),
-    ("single-under-mpiexec", ["--strategy", "single"], 2, "strategy 'single' keeps one copy of the model"),
+    (
+        "single-under-mpiexec",
+        ["--strategy", "single"],
+        2,
+        "strategy 'single' keeps one copy of the model",
+    ),
     (
         "save-without-out",
         ["--strategy", "dp", "--save-every", "5"],

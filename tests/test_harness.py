@@ -68,3 +68,28 @@ def test_make_run_executes_renders_and_reports_failures(tmp_path):
     assert "FAILED" in result.stdout and "ZeroDivisionError" in result.stdout
     assert (ROOT / "build" / "html" / "01_dataset.html").stat().st_size > 100_000
     assert processes_using(tmp_path / "ipython") == []
+
+
+def test_the_tests_beside_the_notebooks_fail_the_run_and_are_reported_after_them(tmp_path, capfd):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import lesson  # tools/lesson.py
+
+    def prints(text: str, code: int = 0) -> list[str]:
+        return [sys.executable, "-c", f"print({text!r}); raise SystemExit({code})"]
+
+    log = tmp_path / "beside.log"
+    assert lesson.run_side_by_side(prints("first"), prints("second"), log) == 0
+    out = capfd.readouterr().out
+    assert out.index("first") < out.index("second")  # the second's report follows the first's
+    assert lesson.run_side_by_side(prints("first"), prints("second", 3), log) == 3
+    assert lesson.run_side_by_side(prints("first", 2), prints("second"), log) == 2
+    assert "second" in capfd.readouterr().out  # also reported when the first failed
+
+
+def test_arguments_that_name_no_file_are_pytest_options():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import lesson
+
+    paths = ["tests", "tests/test_rng.py", "tests/test_rng.py::x", "notebooks/01_dataset.ipynb"]
+    assert all(lesson.is_test_path(path) for path in paths)
+    assert not any(lesson.is_test_path(arg) for arg in ["-k", "16", "-x", "not_a_file.py"])

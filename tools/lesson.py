@@ -189,17 +189,20 @@ def run_tests(pytest_args: list[str]) -> int:
     Every notebook runs twice on the same engines, with its outputs compared both times, so a
     notebook that leaves state behind fails: first the teacher's notebook under nbval, then its
     student copy (tests/test_student.py), which must run and print every output nbval compares
-    but its exercises'; a notebook without exercises runs twice under nbval. (Each notebook
-    used to run three times: nbval twice, then its student copy, compared with nothing.)
-    Paths among pytest_args replace the default selection; simulated hosts come up only for
-    the default selection or a notebook that needs them.
+    but its exercises'; a notebook without exercises runs twice under nbval. Nothing else
+    uses those engines (a test that needs a cluster starts its own), so the rest of tests/
+    runs beside them, in a second pytest: a 2-core machine is otherwise half idle while a
+    notebook waits on its engines or a test on its ranks. Its report follows the notebooks'.
+    Paths among pytest_args (files, folders, node ids) replace the default selection and run
+    in one pytest; simulated hosts come up only for the default selection or a notebook that
+    needs them.
     """
     import nbformat
     from student import has_solutions  # tools/student.py, beside this file
 
     prepare_environment()
-    paths = [a for a in pytest_args if not a.startswith("-")]
-    options = [a for a in pytest_args if a.startswith("-")]
+    paths = [a for a in pytest_args if is_test_path(a)]
+    options = [a for a in pytest_args if not is_test_path(a)]
     wanted = [Path(p).resolve() for p in paths if p.endswith(".ipynb")] if paths else NOTEBOOKS
     with mpi_cluster(), simulated_hosts(wanted) as no_hosts:
         notebooks = NOTEBOOKS
@@ -209,11 +212,48 @@ def run_tests(pytest_args: list[str]) -> int:
         if no_torch := torch_missing():  # and these too
             notebooks = [path for path in notebooks if not needs_torch(path)]
             print(f"not under nbval: notebook 16, which {no_torch}", flush=True)
-        again = [path for path in notebooks if not has_solutions(nbformat.read(path, 4))]
-        selection = paths or [*map(str, notebooks + again), "tests", "--keep-duplicates"]
         nbval = ["--nbval", "--nbval-current-env", "--nbval-cell-timeout=600"]
-        command = [sys.executable, "-m", "pytest", *selection, *nbval, "-p", "no:cacheprovider"]
-        return subprocess.call(command + options, cwd=ROOT)
+        pytest = [sys.executable, "-m", "pytest", *nbval, "-p", "no:cacheprovider", *options]
+        if paths:
+            return subprocess.call([*pytest, *paths], cwd=ROOT)
+        again = [path for path in notebooks if not has_solutions(nbformat.read(path, 4))]
+        on_the_engines = [*map(str, notebooks + again), STUDENT_TESTS, "--keep-duplicates"]
+        beside = ["tests", f"--ignore={STUDENT_TESTS}"]
+        return run_side_by_side([*pytest, *on_the_engines], [*pytest, *beside])
+
+
+STUDENT_TESTS = "tests/test_student.py"  # the notebooks' second run, on the session's engines
+BESIDE_LOG = ROOT / "build" / "tests-beside.log"
+
+
+def is_test_path(arg: str) -> bool:
+    """A file, folder or node id (path::test) to collect, rather than an option or its value
+    (`-k 16` selects by name: 16 is not a path)."""
+    return not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists()
+
+
+def run_side_by_side(first: list[str], second: list[str], log_path: Path = BESIDE_LOG) -> int:
+    """Run two commands at once: the first's report live, the second's (kept in log_path)
+    after it. Nonzero when either fails; neither outlives this."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        beside = subprocess.Popen(second, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            print("(the rest of tests/ runs beside the notebooks; its report follows)", flush=True)
+            code = subprocess.call(first, cwd=ROOT)
+            if beside.poll() is None:
+                print("\nwaiting for the rest of tests/ ...", flush=True)
+            code_beside = beside.wait()
+        finally:
+            if beside.poll() is None:  # this process is ending (a signal, an error): so is it
+                beside.terminate()
+                try:
+                    beside.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    beside.kill()
+            print(f"\n--- the rest of tests/ ({log_path}) ---", flush=True)
+            print(log_path.read_text(), end="", flush=True)
+    return code or code_beside
 
 
 def run_lab() -> int:

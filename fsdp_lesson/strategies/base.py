@@ -54,6 +54,15 @@ def placements(strategy: Strategy, sharded: bool, tp: Placement) -> dict[str, Pl
     return {dim: along.get(dim, Replicate()) for dim in strategy.state_mesh.dims}
 
 
+def kept_numel(shard_level: int, flat: FlatParam, category: str) -> int:
+    """How many elements of a layer's `category` a rank keeps at ZeRO stage `shard_level` (the
+    sharding table): a shard, 1/N of the padded vector; a whole vector, padded from zero1 on
+    (cut into N)."""
+    if is_sharded(shard_level, category):
+        return flat.shard_size
+    return flat.padded_numel if shard_level > 0 else flat.numel
+
+
 def owner(key: str, entry: str) -> tuple[str, str]:
     """(layer, parameter) of a key in a layout entry: "W" in entry "fc1" is fc1's; an entry
     that holds several layers (a zero3 unit) keys them "fc1.W"."""
@@ -116,6 +125,20 @@ class StateArray:
     layer: str
     sharded: bool  # True: this rank's shard [r*S, (r+1)*S); False: the whole vector
 
+    def set_from_arrays(self, flat: FlatParam, rank: int, arrays: Params) -> None:
+        """Copy the layer's shaped arrays (keyed as in `flat`) in: all, or only `rank`'s shard."""
+        if self.sharded:
+            flat.copy_shard(arrays, rank, out=self.array)
+        else:
+            flat.flatten(arrays, out=self.array)
+
+    def set_from_vector(self, flat: FlatParam, rank: int, vector: np.ndarray) -> None:
+        """Copy the layer's whole vector in: all of it, or only `rank`'s shard."""
+        if self.sharded:
+            self.array[...] = flat.owned_shard(flat.padded(vector), rank)
+        else:
+            self.array[: flat.numel] = vector[: flat.numel]  # the padding stays zero
+
 
 class Strategy:
     """Common state: the model, the optimizer, the Comm, the ledger, and each layer's FlatParam."""
@@ -160,18 +183,11 @@ class Strategy:
 
     # --- allocation, as the sharding table says -------------------------------------------
 
-    def numel(self, flat: FlatParam, category: str) -> int:
-        """How many elements of a layer's `category` this rank keeps (the sharding table): a
-        shard, 1/N of the padded vector; a whole vector, padded from zero1 on (cut into N)."""
-        if is_sharded(self.shard_level, category):
-            return flat.shard_size
-        return flat.padded_numel if self.shard_level > 0 else flat.numel
-
     def alloc_per_layer(self, category: str, label: str) -> dict[str, np.ndarray]:
         """One zeroed flat array per layer, in the run's precision, sized by the table."""
         arrays = {}
         for name, flat in self.layout.items():
-            numel = self.numel(flat, category)
+            numel = kept_numel(self.shard_level, flat, category)
             arrays[name] = self.ledger.alloc(category, numel, f"{name}.{label}", self.dtype)
         return arrays
 
@@ -179,7 +195,7 @@ class Strategy:
         """The optimizer's arrays per layer (Adam's m, v; mixed: the fp32 master), by the table."""
         state = {}
         for name, flat in self.layout.items():
-            numel, state[name] = self.numel(flat, "optimizer"), {}
+            numel, state[name] = kept_numel(self.shard_level, flat, "optimizer"), {}
             if self.mixed:
                 state[name]["master"] = self.ledger.alloc("optimizer", numel, f"{name}.master")
             state[name] |= self.optimizer.init_state(numel, self.ledger, name)
@@ -204,10 +220,12 @@ class Strategy:
 
     def load_state(self, vectors: dict[str, np.ndarray], optimizer_steps: int = 0) -> None:
         """Set the whole state from each entry's whole (unpadded) vector, e.g. a checkpoint's."""
+        rank = self.shard_comm.rank
         for key, entry in self.local_state().items():
-            self.set_from_vector(entry, vectors[key])
+            flat = self.layout[entry.layer]
+            entry.set_from_vector(flat, rank, vectors[key])
             if self.mixed and key.endswith(".params"):  # the 16-bit copy, from the master
-                self.set_from_vector(self.sixteen_bit(entry.layer), vectors[key])
+                self.sixteen_bit(entry.layer).set_from_vector(flat, rank, vectors[key])
         self.optimizer.t = optimizer_steps
 
     def params_entry(self, layer: str) -> StateArray:
@@ -250,18 +268,7 @@ class Strategy:
         if self.mixed:  # the master and its 16-bit copy
             entries.append(self.sixteen_bit(name))
         for entry in entries:
-            if entry.sharded:
-                self.layout[name].copy_shard(arrays, self.shard_comm.rank, out=entry.array)
-            else:
-                self.layout[name].flatten(arrays, out=entry.array)
-
-    def set_from_vector(self, entry: StateArray, vector: np.ndarray) -> None:
-        """Copy a layer's whole vector into `entry`: all of it, or only this rank's shard."""
-        flat = self.layout[entry.layer]
-        if entry.sharded:
-            entry.array[...] = flat.owned_shard(flat.padded(vector), self.shard_comm.rank)
-        else:
-            entry.array[: flat.numel] = vector[: flat.numel]  # the padding stays zero
+            entry.set_from_arrays(self.layout[name], self.shard_comm.rank, arrays)
 
     # --- the hooks ---------------------------------------------------------------------------
 

@@ -17,9 +17,13 @@ class Schedule:
 
     def __init__(self, units: list[Unit]) -> None:
         self.order = [unit for unit in units if unit.flat.numel]  # a ReLU alone gathers nothing
-        self.position = {unit.name: i for i, unit in enumerate(self.order)}
+        # each unit's successor in each pass, worked out once: materialize asks at every gather
+        ahead, behind = [*self.order[1:], None], [None, *self.order[:-1]]
+        self.after = {
+            False: {unit.name: next_ for unit, next_ in zip(self.order, ahead, strict=True)},
+            True: {unit.name: next_ for unit, next_ in zip(self.order, behind, strict=True)},
+        }
 
     def following(self, unit: Unit, backward: bool) -> Unit | None:
         """The unit that runs after `unit` (forward: the next one; backward: the one before)."""
-        i = self.position[unit.name] + (-1 if backward else 1)
-        return self.order[i] if 0 <= i < len(self.order) else None
+        return self.after[backward][unit.name]

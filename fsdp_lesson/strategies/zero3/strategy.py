@@ -54,6 +54,7 @@ class ZeRO3(Strategy):
     options_a_resume_may_change = frozenset(
         {"prefetch", "reshard_after_forward", "replicate", "shard_group"}
     )
+    backward = False  # whether the pass is backward (begin_phase)
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class ZeRO3(Strategy):
         if phase == "forward":
             self.finish_reduce_scatters()
         super().begin_phase(phase)
+        self.backward = phase == "backward"  # asked by every hook of the pass
 
     def begin_micro_batch(self, micro: int) -> None:
         """A micro-batch's reduce-scatters complete before the next micro-batch begins."""
@@ -127,13 +129,13 @@ class ZeRO3(Strategy):
         """FSDP2: unshard. The unit's full parameters (waiting for its prefetch, if any); with
         prefetch, the allgather of the unit that runs next starts while this one computes."""
         unit = self.unit_of[layer.name]
-        if not unit.flat.numel:
+        if unit.empty:
             return {}  # a ReLU alone: nothing to gather
         if unit.params is None:
             unit.gather()
-            following = self.schedule.following(unit, backward=self.phase == "backward")
-            if self.prefetch and following is not None and following.params is None:
-                if following.gathering is None:
+            if self.prefetch:
+                following = self.schedule.following(unit, self.backward)
+                if following is not None and following.idle:
                     following.start_gather()
         if unit.computing is None:  # the unit's first layer of this pass
             unit.begin_compute()
@@ -145,11 +147,12 @@ class ZeRO3(Strategy):
     def release(self, layer) -> None:
         """FSDP2: reshard. Free the unit's full parameters after its last layer has run."""
         self.precision.release(layer)
-        unit, backward = self.unit_of[layer.name], self.phase == "backward"
-        if not unit.flat.numel or layer.name != (unit.layers[0] if backward else unit.layers[-1]):
+        unit = self.unit_of[layer.name]
+        if unit.empty or layer.name != (unit.layers[0] if self.backward else unit.layers[-1]):
             return  # a ReLU alone, or the unit's other layers still run
-        unit.end_compute(self.phase)  # (unless reduce_grads ended it: a span is recorded once)
-        if backward or self.reshard_after_forward:
+        if unit.computing is not None:  # (unless reduce_grads ended it: recorded once)
+            unit.end_compute(self.phase)
+        if self.backward or self.reshard_after_forward:
             unit.free_params()
 
     def grad_buffer(self, layer) -> Params:
@@ -162,10 +165,12 @@ class ZeRO3(Strategy):
         """After the unit's backward: reduce-scatter its gradient (with prefetch, it runs during
         the next unit's backward, and the one before it is waited for)."""
         unit = self.unit_of[layer.name]
+        if unit.empty:
+            return  # a ReLU alone: no gradient
         add = self.micro > 0 and not self.accumulate_full_grads  # to an earlier micro-batch's
-        if self.local_biases is not None and unit.flat.numel:
+        if self.local_biases is not None:
             self.local_biases.keep_grad(layer.name, unit.grads(layer.name), add)
-        if not unit.flat.numel or layer.name != unit.layers[0] or not self.reducing_now:
+        if layer.name != unit.layers[0] or not self.reducing_now:
             return
         unit.end_compute("backward")  # its compute ends where its reduce-scatter begins
         unit.start_reduce_scatter(add)

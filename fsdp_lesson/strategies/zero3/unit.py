@@ -19,7 +19,6 @@ prefetches) when is the schedule's business (schedule.py).
 
 from __future__ import annotations
 
-from functools import cached_property
 from time import perf_counter
 
 import numpy as np
@@ -37,8 +36,11 @@ class Unit:
 
     def __init__(self, name: str, layers: tuple[str, ...], flat: FlatParam) -> None:
         self.name, self.layers, self.flat = name, layers, flat  # layers in forward order
+        self.empty = not flat.numel  # a ReLU alone: nothing to gather, reduce or free
         # the ledger's labels of its transients, made once: the hooks ask for them every step
         self.gathered_label, self.grad_label = f"{name} gathered", f"{name} full grad"
+        self.micro_label = f"{name} micro-batch grad shard"
+        self.layer_spans = layer_spans(layers, flat)  # where views() cuts, worked out once
         # zero3's state of the unit on this rank, set by own() and changed by the step
         self.params: dict[str, Params] | None = None  # each layer's full parameters, gathered
         self.gathering: tuple[Request, dict[str, Params]] | None = None  # a prefetch in flight
@@ -60,21 +62,14 @@ class Unit:
         self.param_shard, self.grad_shard = param_shard, grad_shard
 
     def views(self, full: np.ndarray) -> dict[str, Params]:
-        """Each layer's parameters as shaped views into the unit's full flat buffer."""
-        return {
-            layer: {name: full[start:stop].reshape(shape) for name, start, stop, shape in spans}
-            for layer, spans in self.layer_spans
-        }
-
-    @cached_property
-    def layer_spans(self) -> tuple[tuple[str, tuple[tuple[str, int, int, tuple[int, ...]], ...]]]:
-        """Each layer and its parameters' (name, start, stop, shape) in the flat vector (none
-        for a ReLU): worked out once, since zero3 takes views at every gather."""
-        spans: dict[str, list] = {layer: [] for layer in self.layers}
-        for key, start, stop, shape in self.flat.spans:
-            layer, name = key.rsplit(".", 1)
-            spans[layer].append((name, start, stop, shape))
-        return tuple((layer, tuple(s)) for layer, s in spans.items())
+        """Each layer's parameters as shaped views into the unit's full flat buffer (plain
+        loops: zero3 takes them at every gather)."""
+        views = {}
+        for layer, spans in self.layer_spans:
+            views[layer] = params = {}
+            for name, where, shape in spans:
+                params[name] = full[where].reshape(shape)
+        return views
 
     # --- the full parameters ------------------------------------------------------------
 
@@ -82,6 +77,11 @@ class Unit:
         """The full parameter buffer, counted until free_params (the allgather fills it)."""
         numel = self.flat.padded_numel
         return self.ledger.alloc("buffers", numel, self.gathered_label, self.dtype, zeroed=False)
+
+    @property
+    def idle(self) -> bool:
+        """Neither gathered nor being gathered: prefetch may start its allgather."""
+        return self.params is None and self.gathering is None
 
     def start_gather(self) -> None:
         """Prefetch: allocate the full buffer and start the allgather into it."""
@@ -123,7 +123,8 @@ class Unit:
             self.full_grad = self.ledger.alloc(
                 "buffers", numel, self.grad_label, self.dtype, zeroed=False
             )
-            self.full_grad[self.flat.numel :] = 0  # backward writes all but the padding
+            if self.flat.padding:  # backward writes all but the padding
+                self.full_grad[self.flat.numel :] = 0
             self.full_grad_views = self.views(self.full_grad)
         return self.full_grad_views[layer]
 
@@ -132,8 +133,7 @@ class Unit:
         `add`, into a counted micro-batch shard that finish_reduce_scatter adds to it."""
         shard, added = self.grad_shard, None
         if add:
-            label = f"{self.name} micro-batch grad shard"
-            shard = added = self.ledger.alloc("buffers", shard.size, label, self.dtype)
+            shard = added = self.ledger.alloc("buffers", shard.size, self.micro_label, self.dtype)
         self.reducing = (self.comm.ireduce_scatter_mean(self.full_grad, shard, self.name), added)
 
     def finish_reduce_scatter(self, replicas: Comm | None) -> None:
@@ -144,11 +144,25 @@ class Unit:
         request.wait()
         if added is not None:
             self.grad_shard += added
-            self.ledger.free(f"{self.name} micro-batch grad shard")
+            self.ledger.free(self.micro_label)
         self.full_grad, self.full_grad_views = None, {}  # no view keeps the buffer alive
         self.ledger.free(self.grad_label)
         if replicas is not None:
             replicas.allreduce_mean(self.grad_shard, self.name)
+
+
+# each layer of a unit, and each of its parameters' (name, slice, shape) in the flat vector
+LayerSpans = tuple[tuple[str, tuple[tuple[str, slice, tuple[int, ...]], ...]], ...]
+
+
+def layer_spans(layers: tuple[str, ...], flat: FlatParam) -> LayerSpans:
+    """Each layer and its parameters' (name, slice, shape) in the unit's flat vector (none for
+    a ReLU)."""
+    spans: dict[str, list] = {layer: [] for layer in layers}
+    for key, start, stop, shape in flat.spans:
+        layer, name = key.rsplit(".", 1)
+        spans[layer].append((name, slice(start, stop), shape))
+    return tuple((layer, tuple(s)) for layer, s in spans.items())
 
 
 def make_units(layers: list, layers_per_unit: int, world_size: int) -> list[Unit]:
