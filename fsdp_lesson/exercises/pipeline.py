@@ -128,7 +128,7 @@ def missing_messages(stage, rehearsal: Rehearsal) -> str | None:
 def stage_pass_items() -> list | str:
     """On every rank, with the notebook's %%px names (stage, params, pair, model, X, Y,
     my_stage_pass): the rehearsal's one line if it finds a mistake, else the real run's
-    (what, answer, expected) per parameter of this rank's stage (checks.verdict)."""
+    (what, answer, expected) per parameter of this rank's stage (check_stage_pass judges them)."""
     import __main__
     from fsdp_lesson.checks import not_solved
     from fsdp_lesson.model import loss_and_grads
