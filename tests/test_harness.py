@@ -93,3 +93,11 @@ def test_arguments_that_name_no_file_are_pytest_options():
     paths = ["tests", "tests/test_rng.py", "tests/test_rng.py::x", "notebooks/01_dataset.ipynb"]
     assert all(lesson.is_test_path(path) for path in paths)
     assert not any(lesson.is_test_path(arg) for arg in ["-k", "16", "-x", "not_a_file.py"])
+
+
+def test_every_test_file_named_to_run_beside_the_notebooks_exists():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import lesson
+
+    missing = [name for name in lesson.WAITING_TESTS if not (ROOT / "tests" / name).is_file()]
+    assert not missing, f"tools/lesson.py's WAITING_TESTS names no file: {missing}"

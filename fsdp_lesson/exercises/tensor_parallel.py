@@ -155,23 +155,30 @@ def check_tp_forward(ranks) -> bool:
     )
 
 
-def backward_on_a_rank() -> dict | None:
-    """On every rank: the learner's tp_backward against this rank's pieces of the single-rank
-    model's gradients and the whole dx; None while it is a placeholder."""
-    import __main__ as ns
-
-    single, whole, split, tp, T = ns.single, ns.whole, ns.split, ns.tp, ns.T
-    x, _ = single.layers[0].forward(whole["emb"], ns.X)
+def single_backward(single, whole: dict, X: np.ndarray, Y: np.ndarray) -> tuple:
+    """The single-rank model's forward and backward from the embedding's output x, layer by
+    layer: (x, dlogits, dx, each layer's whole gradients), what tp_backward must reproduce."""
+    x, _ = single.layers[0].forward(whole["emb"], X)
     y, caches = x, []
-    for layer in single.layers[1:]:  # single's forward and backward from x, layer by layer
+    for layer in single.layers[1:]:
         y, cache = layer.forward(whole[layer.name], y)
         caches.append(cache)
-    _, loss_cache = single.loss.forward(y, ns.Y)
+    _, loss_cache = single.loss.forward(y, Y)
     dlogits = single.loss.backward(loss_cache)
     dx, grads = dlogits.copy(), {}
     for layer, cache in zip(reversed(single.layers[1:]), reversed(caches), strict=True):
         grads[layer.name] = {k: np.empty_like(v) for k, v in whole[layer.name].items()}
         dx = layer.backward(whole[layer.name], cache, dx, grads[layer.name])
+    return x, dlogits, dx, grads
+
+
+def backward_on_a_rank() -> dict | None:
+    """On every rank: the learner's tp_backward against this rank's pieces of the single-rank
+    model's gradients and the whole dx; None while it is a placeholder."""
+    import __main__ as ns
+
+    split, tp, T = ns.split, ns.tp, ns.T
+    x, dlogits, dx, grads = single_backward(ns.single, ns.whole, ns.X, ns.Y)
     p1, p2 = ns.pieces["fc1"], ns.pieces["fc2"]
     h = x @ p1["W"] + p1["b"]
     own = ((dlogits @ p2["W"].T) * (h > 0)) @ p1["W"].T  # this rank's part of dx only
