@@ -301,21 +301,19 @@ def test_no_checker_line_prints_an_expected_figure(capsys, student):
     assert "27" not in text  # the expected N
 
 
-def test_count_params_and_relu_backward_name_the_item_and_hide_the_value(capsys, student):
+def test_count_params_and_leaky_relu_backward_name_the_mistake_and_hide_the_value(capsys, student):
     def key(V, S, E, H):
         return V * E + S * E * H + H + H * V + V
 
     assert single_rank.check_count_params(key)
     assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) - H - V)
     assert not single_rank.check_count_params(lambda V, S, E, H: None)
-    assert single_rank.check_relu_backward(lambda x, dout: dout * (x > 0))
-    assert not single_rank.check_relu_backward(lambda x, dout: np.maximum(dout, 0))
-    _, biases, stub, _, gate = lines(capsys)
+    assert single_rank.check_leaky_relu_backward(lambda x, dout, k: np.where(x > 0, dout, k * dout))
+    assert not single_rank.check_leaky_relu_backward(lambda x, dout, k: dout * (x > 0))
+    _, biases, stub, _, _, relu = lines(capsys)
     assert biases == "✗ count_params: the biases are missing: fc1 and fc2 each have one"
     assert "not solved yet" in stub
-    assert (
-        gate == "✗ relu_backward: the ReLU of dout: which entries pass is decided by x, the cache"
-    )
+    assert relu.startswith("✗ leaky_relu_backward: that is the ReLU's backward")
     assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) - V * E)
     assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) - (S - 1) * E * H)
     assert not single_rank.check_count_params(lambda V, S, E, H: key(V, S, E, H) + 1)
@@ -325,14 +323,17 @@ def test_count_params_and_relu_backward_name_the_item_and_hide_the_value(capsys,
     assert other.startswith("✗ count_params: item 0: one too many (and 2 more)")
     assert str(MLP(ModelConfig()).num_params) not in other.replace(",", "")
     for wrong, says in {
-        lambda x, dout: x > 0: "the ReLU's derivative alone",
-        lambda x, dout: dout * (x < 0): "the gate is the wrong way round",
-        lambda x, dout: np.maximum(x, 0): "that is the forward, max(x, 0)",
-        lambda x, dout: dout: "dout everywhere",
-        lambda x, dout: 2 * dout * (x > 0): "item (0, 0): too large by a factor of 2",
+        lambda x, dout, k: np.where(dout > 0, dout, k * dout): ": the gate is read from dout",
+        lambda x, dout, k: np.where(x > 0, 1, k): ": the derivative alone",
+        lambda x, dout, k: np.where(x > 0, k * dout, dout): ": the slope is on the wrong side",
+        lambda x, dout, k: np.where(x > 0, x, k * x): ": that is the forward",
+        lambda x, dout, k: dout: ": dout everywhere",
+        lambda x, dout, k: np.where(x > 0, dout, 0.1 * dout): " at slope 0: the slope argument",
+        lambda x, dout, k: np.where(x > 0, dout, 2 * k * dout): ": item (0, 1): too large by a",
+        lambda x, dout, k: None: ": not solved yet",
     }.items():
-        assert not single_rank.check_relu_backward(wrong)
-        assert lines(capsys)[0].startswith(f"✗ relu_backward: {says}")
+        assert not single_rank.check_leaky_relu_backward(wrong)
+        assert lines(capsys)[-1].startswith(f"✗ leaky_relu_backward{says}")  # after any ✓
 
 
 def test_prefetch_order_is_zero3s_own_choice():

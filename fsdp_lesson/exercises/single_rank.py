@@ -43,29 +43,38 @@ def check_count_params(count_params: Callable) -> bool:
     )
 
 
-def check_relu_backward(relu_backward: Callable) -> bool:
-    """Exercise 2: relu_backward(x, dout) against the package's ReLU.backward on a random
-    float32 (4, 5) input and upstream gradient."""
+def check_leaky_relu_backward(leaky_relu_backward: Callable, slope: float = 0.1) -> bool:
+    """Exercise 2: leaky_relu_backward(x, dout, slope) on a random float32 (4, 5) input and
+    upstream gradient, at `slope` (the usual mistakes named), then at slope 0, where it must
+    be the package's ReLU.backward."""
     random = np.random.default_rng(0)
     x = random.standard_normal((4, 5)).astype(np.float32)
     dout = random.standard_normal((4, 5)).astype(np.float32)
-    expected = ReLU("relu").backward({}, x, dout, {})
-    answer = relu_backward(x.copy(), dout.copy())
+    expected = np.where(x > 0, dout, slope * dout)  # out = x where x > 0, else slope * x
+    answer = leaky_relu_backward(x.copy(), dout.copy(), slope)
     mistakes = {  # the usual wrong backwards, by what the checker says of them
-        "the ReLU of dout: which entries pass is decided by x, the cache": np.maximum(dout, 0),
-        "the ReLU's derivative alone: the chain rule multiplies it with dout": x > 0,
-        "the gate is the wrong way round: the ReLU passes what comes from positive x": dout
-        * (x < 0),
-        "that is the forward, max(x, 0): backward returns dL/dx": np.maximum(x, 0),
-        "dout everywhere: where x < 0 the output does not change with x": dout,
+        "that is the ReLU's backward: where x <= 0 a leaky ReLU still passes slope times dout": (
+            dout * (x > 0)
+        ),
+        "the gate is read from dout: which entries pass whole is decided by x, the cache": (
+            np.where(dout > 0, dout, slope * dout)
+        ),
+        "the derivative alone: the chain rule multiplies it with dout": np.where(x > 0, 1, slope),
+        "the slope is on the wrong side: where x > 0 the output is x itself": (
+            np.where(x > 0, slope * dout, dout)
+        ),
+        "that is the forward: backward returns dL/dx": np.where(x > 0, x, slope * x),
+        "dout everywhere: where x <= 0 the output changes only slope times as fast as x": dout,
     }
     if not not_solved(answer) and np.shape(answer) == expected.shape:
         for says, wrong in mistakes.items():
             if np.allclose(np.asarray(answer, np.float64), wrong, rtol=0, atol=1e-6):
-                return fail(f"✗ relu_backward: {says}")
-    return check(
-        "relu_backward",
-        answer,
-        expected,
-        hint="dL/dx is dout through the ReLU's derivative (section 4)",
-    )
+                return fail(f"✗ leaky_relu_backward: {says}")
+    name = "leaky_relu_backward"
+    if not check(name, answer, expected, hint="differentiate each piece of out (section 4)"):
+        return False
+    relu = ReLU("relu").backward({}, x, dout, {})
+    at_zero = leaky_relu_backward(x.copy(), dout.copy(), 0.0)
+    if np.shape(at_zero) == relu.shape and np.allclose(at_zero, expected, rtol=0, atol=1e-6):
+        return fail(f"✗ {name} at slope 0: the slope argument is not used (it is {slope} here)")
+    return check(f"{name} at slope 0", at_zero, relu)
