@@ -204,25 +204,6 @@ def check(name: str, answer, expected, hint: str = "", atol: float | None = None
     return fail(f"✗ {name}: {how_wrong(answer, expected, atol)}{tail}")
 
 
-def verdict(name: str, per_rank: list, hint: str, atol: float = 1e-6) -> bool:
-    """One line for an exercise checked on every rank: per_rank[r] lists (what, answer,
-    expected) computed on rank r; the first shape or value that differs is named (a
-    placeholder prints NOT_SOLVED alone, without the hint)."""
-    if any(not_solved(answer) for items in per_rank for _, answer, _ in items):
-        return fail(f"✗ {name}: {NOT_SOLVED}")
-    for r, items in enumerate(per_rank):
-        for what, answer, expected in items:
-            answer, expected = np.asarray(answer), np.asarray(expected)
-            if answer.shape != expected.shape:
-                return fail(
-                    f"✗ {name}: rank {r}, {what}: shape {answer.shape}, expected {expected.shape}"
-                )
-            if not residue(answer, expected) <= atol:  # the residue itself: CPU-dependent digits
-                return fail(f"✗ {name}: rank {r}, {what}: differs by more than {atol:.0e} — {hint}")
-    print(f"✓ {name}: correct on all {len(per_rank)} ranks")
-    return True
-
-
 def check_bytes(name: str, cases: dict, categories=("params", "grads", "optimizer")) -> bool:
     """Compare answers with ledgers: cases maps a configuration to (answer, [ledger per rank]).
 

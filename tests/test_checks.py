@@ -185,21 +185,6 @@ def test_check_never_raises_on_odd_answers_in_a_student_copy(capsys, student):
     assert capsys.readouterr().out.count("✗") == 3
 
 
-def test_verdict_names_the_rank_and_what_differs(capsys, student):
-    from fsdp_lesson.checks import verdict
-
-    right = [[("shard", np.ones(3), np.ones(3))] for _ in range(2)]
-    assert verdict("x", right, "hint")
-    assert "✓ x: correct on all 2 ranks" in capsys.readouterr().out
-    wrong = right[:1] + [[("shard", np.zeros(3), np.ones(3))]]
-    assert not verdict("x", wrong, "look again")
-    assert "rank 1, shard: differs by more than 1e-06 — look again" in capsys.readouterr().out
-    assert not verdict("x", [[("shard", np.ones(2), np.ones(3))]], "h")
-    assert "shape (2,), expected (3,)" in capsys.readouterr().out
-    assert not verdict("x", [[("shard", None, np.ones(3))]], "h")
-    assert "not solved yet" in capsys.readouterr().out
-
-
 def test_check_bytes_names_the_configuration_rank_category_and_how(capsys, student):
     from fsdp_lesson.checks import NOT_SOLVED, check_bytes
 
