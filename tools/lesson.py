@@ -189,9 +189,11 @@ def run_tests(pytest_args: list[str]) -> int:
     Every notebook runs twice on the same engines, with its outputs compared both times, so a
     notebook that leaves state behind fails: first the teacher's notebook under nbval, then its
     student copy (tests/test_student.py), which must run and print every output nbval compares
-    but its exercises'; a notebook without exercises runs twice under nbval. The tests that
-    mostly wait (WAITING_TESTS) run beside them, in a second pytest whose report follows; the
-    rest of tests/ runs after the notebooks, in the first.
+    but its exercises'; a notebook without exercises runs twice under nbval. Nothing else uses
+    those engines (a test that needs a cluster starts its own), so tests/ runs beside them, in
+    a second pytest whose report follows: first the tests that mostly wait (WAITING_TESTS),
+    which leave the notebooks the cores, then the busy ones, which the notebooks' end leaves
+    the cores to.
     Paths among pytest_args (files, folders, node ids) replace the default selection and run
     in one pytest; simulated hosts come up only for the default selection or a notebook that
     needs them.
@@ -218,16 +220,16 @@ def run_tests(pytest_args: list[str]) -> int:
         again = [path for path in notebooks if not has_solutions(nbformat.read(path, 4))]
         student = ROOT / "tests" / "test_student.py"  # the second run, right after the first
         rest = [path for path in sorted((ROOT / "tests").glob("test_*.py")) if path != student]
-        after = [path for path in rest if path.name not in WAITING_TESTS]
         waiting = [path for path in rest if path.name in WAITING_TESTS]
-        first = [*map(str, [*notebooks, *again, student, *after]), "--keep-duplicates"]
-        return run_side_by_side([*pytest, *first], [*pytest, *map(str, waiting)])
+        busy = [path for path in rest if path.name not in WAITING_TESTS]
+        on_the_engines = [*map(str, [*notebooks, *again, student]), "--keep-duplicates"]
+        return run_side_by_side([*pytest, *on_the_engines], [*pytest, *map(str, waiting + busy)])
 
 
 # Tests that mostly wait (for a cluster to start or stop, an engine or a rank to time out, a
 # browser): measured on a quiet 2-core machine, their processes used 38% of one core over their
 # 368 s (4% to 88% by file). Each starts whatever it needs (none uses the session's engines,
-# which only the notebooks and their student copies do), so they run beside the notebooks.
+# which only the notebooks and their student copies do), so they go first beside the notebooks.
 WAITING_TESTS = (
     "test_cluster.py",
     "test_timeout.py",
@@ -256,10 +258,10 @@ def run_side_by_side(first: list[str], second: list[str], log_path: Path = BESID
     with open(log_path, "w") as log:
         beside = subprocess.Popen(second, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
-            print("(the tests that mostly wait run beside these; their report follows)", flush=True)
+            print("(tests/ runs beside the notebooks; its report follows theirs)", flush=True)
             code = subprocess.call(first, cwd=ROOT)
             if beside.poll() is None:
-                print("\nwaiting for the tests beside ...", flush=True)
+                print("\nwaiting for tests/ ...", flush=True)
             code_beside = beside.wait()
         finally:
             if beside.poll() is None:  # this process is ending (a signal, an error): so is it
@@ -268,7 +270,7 @@ def run_side_by_side(first: list[str], second: list[str], log_path: Path = BESID
                     beside.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     beside.kill()
-            print(f"\n--- the tests beside ({log_path}) ---", flush=True)
+            print(f"\n--- tests/, beside the notebooks ({log_path}) ---", flush=True)
             print(log_path.read_text(), end="", flush=True)
     return code or code_beside
 
