@@ -351,7 +351,7 @@ class Ranks:
         self._timeout = timeout
         self.cluster = cluster  # the ipyparallel Cluster if connect() started it, else None
         self.pids = pids  # the engines' process ids by rank (they run on this machine)
-        self._exits: list[int] = []  # ranks in the order their engines' processes exited
+        self._exits: list[tuple[int, ...]] = []  # ranks seen ended, by wake of the watch
         self._stop_watch = threading.Event()
         self._watch_exits()
 
@@ -463,15 +463,14 @@ class Ranks:
         return f"\n{what}, so the engines were restarted (their variables are gone)."
 
     def _lost_rank(self, default: int, wait: float = 5.0) -> tuple[int, str]:
-        """Which rank died first: the first whose process _note_exits saw end (mpiexec ends the
-        others after it). If none is seen within `wait` seconds, `default`."""
+        """Which rank died first, as far as the watch of _note_exits saw (see _first_to_end);
+        it waits up to `wait` seconds for the watch to see one end, else says `default`."""
         deadline = time.monotonic() + wait
         while not self._exits and time.monotonic() < deadline:
             time.sleep(0.05)
         if not self._exits:
             return default, "an engine died (no engine process was seen to end)"
-        rank = self._exits[0]
-        return rank, f"the engine of rank {rank} (pid {self.pids[rank]}) died first"
+        return _first_to_end(self._exits, self.pids)
 
     def _watch_exits(self) -> None:
         """Stop watching the previous engines' processes, if any; watch the current ones."""
@@ -650,28 +649,46 @@ def report_progress(step: int, loss: float) -> None:
         publish_data({"step": int(step), "loss": float(loss)})
 
 
-def _note_exits(pids: list[int], exits: list[int], stop: threading.Event) -> None:
-    """Append each rank to `exits` as its process ends, until all have or `stop` is set: mpiexec
-    ends the others ~10 ms after one engine dies, so only a watch already running can tell which
-    was first. pidfds wake it on Linux; elsewhere it polls."""
+def _note_exits(pids: list[int], exits: list[tuple[int, ...]], stop: threading.Event) -> None:
+    """Append the ranks whose processes ended to `exits`, a tuple per wake, until all have or
+    `stop` is set: mpiexec ends the others ~10 ms after one engine dies, so only a watch already
+    running can tell which was first, and only if it wakes in between (a tuple of one). pidfds
+    wake it on Linux; elsewhere it polls."""
     fds = _pidfds(pids)
     poller = select.poll() if fds else None
     for fd in fds:
         poller.register(fd, select.POLLIN)
+    seen: set[int] = set()
     try:
-        while len(exits) < len(pids) and not stop.is_set():
+        while len(seen) < len(pids) and not stop.is_set():
             if poller:
                 ready = [fd for fd, _ in poller.poll(500)]
                 for fd in ready:
                     poller.unregister(fd)  # it stays readable
-                exits += sorted(fds[fd] for fd in ready)
+                ended = {fds[fd] for fd in ready}
             else:
                 stop.wait(0.005)
-                gone = {r for r, pid in enumerate(pids) if not psutil.pid_exists(pid)}
-                exits += sorted(gone - set(exits))
+                ended = {r for r, pid in enumerate(pids) if not psutil.pid_exists(pid)} - seen
+            if ended:
+                seen |= ended
+                exits.append(tuple(sorted(ended)))
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _first_to_end(exits: list[tuple[int, ...]], pids: list[int]) -> tuple[int, str]:
+    """The rank the watch saw end first, and how it knows. mpiexec ends the others milliseconds
+    after the first; a busy machine may wake the watch only after several ended, and then the
+    message says they ended together and names the lowest (it cannot tell more)."""
+    first = exits[0]
+    if len(first) == 1:
+        rank = first[0]
+        return rank, f"the engine of rank {rank} (pid {pids[rank]}) was the first to end"
+    return first[0], (
+        f"the engines of ranks {list(first)} were seen to end together (mpiexec ends the others "
+        "milliseconds after the first, and this busy machine hid which was first)"
+    )
 
 
 def _pidfds(pids: list[int]) -> dict[int, int]:

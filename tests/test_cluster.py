@@ -16,6 +16,7 @@ import time
 import ipyparallel as ipp
 import psutil
 import pytest
+from mpi_helpers import kill_engine_of
 
 from fsdp_lesson.cluster import ClusterError, RankError, connect, report_progress
 from fsdp_lesson.hosts import running
@@ -304,10 +305,11 @@ def test_timeout_raises_promptly_and_engines_recover(own):
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
 def test_engine_that_dies_is_an_error_not_a_hang(own):
-    pid_of_rank_1 = own.run(os.getpid)[1]
-    threading.Timer(1.0, os.kill, (pid_of_rank_1, signal.SIGKILL)).start()
+    killer = threading.Timer(1.0, kill_engine_of, (own, 1))
+    killer.start()
     with pytest.raises(RankError) as info:  # not a hang: after the timeout, a TimeoutError
         own.run(time.sleep, 600, timeout=60)
+    killer.join()
     assert info.value.rank == 1  # the lost rank is named, not whichever engine reported first
     assert "the engine of rank 1" in str(info.value) and "restarted" in str(info.value)
     engine = info.value.engine
@@ -427,7 +429,22 @@ def test_exits_are_noted_in_the_order_the_processes_end(pidfds, monkeypatch):
         for process in processes:
             process.kill()
             process.wait()
-    assert exits == [2, 0] and not watch.is_alive()
+    assert exits == [(2,), (0,)] and not watch.is_alive()
+
+
+def test_engines_seen_to_end_together_are_named_together():
+    """A busy machine may wake the watch only after mpiexec ended the others too: the message
+    says so, rather than naming the lowest rank as the one that died."""
+    from fsdp_lesson import cluster
+
+    pids = [101, 102, 103, 104]
+    assert cluster._first_to_end([(2,), (0, 1, 3)], pids) == (
+        2,
+        "the engine of rank 2 (pid 103) was the first to end",
+    )
+    rank, text = cluster._first_to_end([(0, 2), (1, 3)], pids)
+    assert rank == 0 and text.startswith("the engines of ranks [0, 2] were seen to end together")
+    assert "was the first" not in text and "hid which was first" in text
 
 
 @pytest.mark.cluster
