@@ -99,5 +99,7 @@ def test_every_test_file_named_to_run_beside_the_notebooks_exists():
     sys.path.insert(0, str(ROOT / "tools"))
     import lesson
 
-    missing = [name for name in lesson.WAITING_TESTS if not (ROOT / "tests" / name).is_file()]
-    assert not missing, f"tools/lesson.py's WAITING_TESTS names no file: {missing}"
+    for names in ("WAITING_TESTS", "AFTER_THE_NOTEBOOKS"):
+        missing = [name for name in getattr(lesson, names) if not (ROOT / "tests" / name).is_file()]
+        assert not missing, f"tools/lesson.py's {names} names no file: {missing}"
+    assert not set(lesson.WAITING_TESTS) & set(lesson.AFTER_THE_NOTEBOOKS)
