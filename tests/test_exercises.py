@@ -89,6 +89,38 @@ def test_smallest_n_checkers_pass_the_key_and_name_each_mistake(capsys, student)
     assert "not solved yet" in stub
 
 
+def test_bytes_per_rank_names_each_mistake_once(capsys, student):
+    """Exercise 07-4: a usual mistake is one line, named, over every rank and configuration
+    it shows in (the ledgers here: the planner's, equal to the live ones in 07)."""
+    model, n = ModelConfig(), 4
+    configs = {p: TrainConfig(precision=p) for p in ("fp32", "bf16")}
+    peaks = {
+        p: [plan.ledger_bytes("zero3", model, n, "adam", 32, precision=p)] * n for p in configs
+    }
+
+    def check(**mistake):
+        return memory.check_bytes_per_rank(
+            lambda s, z, k, p: memory._lever_figures(s, z, k, p, **mistake),
+            model, configs, peaks, n,
+        )  # fmt: skip
+
+    assert check()
+    assert lines(capsys) == ["✓ bytes_per_rank: correct — every category of every rank's ledger"]
+    named = {
+        "the unpadded size": dict(pad="none"),
+        "padded: dp pads nothing": dict(pad="all"),
+        "without its fp32 master copy": dict(master=False),
+        "4 bytes an element in bf16": dict(item16=4),
+    }
+    for words, mistake in named.items():
+        assert not check(**mistake)
+        head, line, tail = lines(capsys)
+        assert head.startswith("✗ bytes_per_rank:") and words in line, (head, line)
+        assert "every rank" in line or words.startswith("padded"), line
+    assert not memory.check_bytes_per_rank(lambda *a: None, model, configs, peaks, n)
+    assert lines(capsys) == ["✗ bytes_per_rank: not solved yet"]
+
+
 FAST_STEP, CABLE_BYTES = 0.012, 2.6e6  # notebook 13's fast step (s) and one cable's bytes
 
 
@@ -120,6 +152,9 @@ def test_the_prediction_checker_names_bits_headers_and_the_missing_compute(capsy
             f  # nothing on a free link
             + c * tcp_payload_rate(b) * (b < 1e12)
         ),
+        "too large by a factor of 2: both directions counted": lambda f, c, b: (
+            f + 2 * c / tcp_payload_rate(b)
+        ),
         "too large — bits or bytes?": lambda f, c, b: f + 1.5 * c / tcp_payload_rate(b),
     }
     for how, predict in wrong.items():
@@ -130,7 +165,12 @@ def test_the_prediction_checker_names_bits_headers_and_the_missing_compute(capsy
     assert not check(lambda f, c, b: 2 * f + c / tcp_payload_rate(b))
     assert not check(lambda f, c, b: None)
     assert not check(lambda f, c, b: "soon")
-    compute, twice, stub, text = lines(capsys)
+    assert not check(lambda f, c, b: 1e3 * key_prediction(f, c, b))  # milliseconds
+    compute, twice, stub, text, milliseconds = lines(capsys)
+    assert milliseconds == (
+        "✗ a link that costs nothing: too large by a factor of 1000: milliseconds, where seconds"
+        " are asked for"
+    )
     assert compute.startswith("✗ a link that costs nothing: about 0 s, the fast link's step left")
     assert twice.startswith("✗ a link that costs nothing: too large, where the fast link's step")
     assert stub == "✗ predicted step at 300 Mbit/s: not solved yet"
@@ -868,23 +908,34 @@ def test_sent_bytes_names_the_configuration_the_kind_and_the_factor(engines, cap
     quick = TrainConfig(strategy="zero3", steps=10, eval_batches=0, samples=0)
     assert fsdp_practice.check_sent_bytes(engines, key_sent_bytes, deep, quick)
     assert lines(capsys) == ["✓ K=2, reshard=False: correct", "✓ K=3, reshard=True: correct"]
-    wrong = {
-        "✗ K=2, reshard=False: allgather: too large by a factor of 2": dict(gathers=2),
-        "✗ K=3, reshard=True: allgather: too small by a factor of 2": dict(gathers=1),
-        "✗ K=2, reshard=False: allgather and reduce_scatter: too large by N/(N-1)": dict(
-            ring=False
+    wrong = {  # the start of the line, and the mistake it names after ' — '
+        "✗ K=2, reshard=False: allgather: too large by a factor of 2": (
+            dict(gathers=2),
+            "gathered once per step",
         ),
-        "✗ K=2, reshard=False: allgather: too small by a factor of 4": dict(shard=True),
+        "✗ K=3, reshard=True: allgather: too small by a factor of 2": (
+            dict(gathers=1),
+            "gathered again for its backward",
+        ),
+        "✗ K=2, reshard=False: allgather and reduce_scatter: too large by N/(N-1)": (
+            dict(ring=False),
+            "a ring sends (N-1)/N of each buffer",
+        ),
+        "✗ K=2, reshard=False: allgather: too small by a factor of 4": (
+            dict(shard=True),
+            "not a rank's shard",
+        ),
     }
-    for start, mistake in wrong.items():
+    for start, (mistake, named) in wrong.items():
         assert not fsdp_practice.check_sent_bytes(
             engines, lambda u, n, r, m=mistake: key_sent_bytes(u, n, r, **m), deep, quick
         )
         out = lines(capsys)
         assert out[-1].startswith(start), out
-        assert "(N-1)/N of the bytes per collective; how many allgathers?" in out[-1]
-        if "N/(N-1)" in start:
-            assert out[-1].split(" — ")[0] in guide_text(), "teaching.md 06 should quote it"
+        assert named in out[-1], out
+        assert " ".join(out[-1].split()) in " ".join(guide_text().split()), (
+            f"teaching.md 06 should quote {out[-1]!r}"
+        )
     assert not fsdp_practice.check_sent_bytes(engines, lambda u, n, r: None, deep, quick)
     assert lines(capsys) == ["✗ sent bytes: not solved yet"]
 

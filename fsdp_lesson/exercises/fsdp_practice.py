@@ -222,6 +222,22 @@ def _by_direction(choices: dict) -> dict[str, object]:
     }
 
 
+def _prefetch_mistake(answers: dict, expected: dict, count: int) -> str:
+    """The hint for a wrong prefetch table: an index past either end (where there is no next
+    unit), or a direction that goes the wrong way; never the expected table."""
+    outside = [
+        key
+        for key, answer in answers.items()
+        if isinstance(answer, int) and not 0 <= answer < count
+    ]
+    if outside:
+        return (
+            "past the last unit of a direction there is none to prefetch: return None there"
+            " (Python would take -1 as the last unit)"
+        )
+    return "forward goes up, backward down"
+
+
 def check_prefetch_order(ranks, next_unit: Callable, model_config, train_config) -> bool:
     """Exercise 1: next_unit(u, backward, count) against zero3's own choice for every unit and
     direction of model_config; if they agree, 3 steps of train_config on the ranks with the
@@ -241,7 +257,7 @@ def check_prefetch_order(ranks, next_unit: Callable, model_config, train_config)
         "prefetch order",
         _by_direction(answers),
         _by_direction(expected),
-        hint="forward goes up, backward down",
+        hint=_prefetch_mistake(answers, expected, count),
     ):
         return False
     config, traced = replace(train_config, steps=3), RunConfig(trace_step=1)
@@ -259,6 +275,37 @@ def check_prefetch_order(ranks, next_unit: Callable, model_config, train_config)
         model_vector(theirs[0]["params"]),
         exact=True,
     )
+
+
+def _sent_bytes_mistake(answer, counted: dict, n: int, reshard: bool) -> str:
+    """The hint for a wrong zero3_sent_bytes: which usual mistake the ratios of the answer to
+    the counted bytes show (a rank's shard, the allgathers per unit, the reduce-scatters),
+    or a general one; never the expected bytes."""
+    general = "count the collectives per unit and step, and what a ring sends of each buffer"
+    if not isinstance(answer, dict) or set(answer) != set(counted):
+        return general
+    try:
+        ratio = {kind: float(answer[kind]) / counted[kind] for kind in counted}
+    except (TypeError, ValueError):
+        return general
+
+    def near(x: float, y: float) -> bool:
+        return abs(x - y) <= 1e-9 * max(1.0, abs(y))
+
+    if all(near(r, 1 / n) for r in ratio.values()):
+        return "unit_bytes are the whole units' bytes, not a rank's shard of them"
+    gathers = ratio["allgather"] * (2 if reshard else 1)
+    if near(ratio["reduce_scatter"], 1) and near(gathers, 1 if reshard else 2):
+        return (
+            "kept from its forward to its backward, a unit is gathered once per step"
+            if not reshard
+            else "resharded after its forward, a unit is gathered again for its backward"
+        )
+    if near(ratio["reduce_scatter"], 1):
+        return "how many times is a unit gathered per step, with and without resharding?"
+    if near(ratio["allgather"], 1):
+        return "each unit's gradient is reduce-scattered once per step"
+    return general
 
 
 def check_sent_bytes(ranks, zero3_sent_bytes: Callable, model_config, train_config) -> bool:
@@ -283,7 +330,7 @@ def check_sent_bytes(ranks, zero3_sent_bytes: Callable, model_config, train_conf
             kind: traffic[kind]["sent_bytes"] / config.steps
             for kind in ("allgather", "reduce_scatter")
         }
-        hint = "(N-1)/N of the bytes per collective; how many allgathers?"
+        hint = _sent_bytes_mistake(answer, counted, n, reshard)
         whole = {kind: bytes_ * n / (n - 1) for kind, bytes_ in counted.items()}
         if (
             isinstance(answer, dict)
@@ -292,7 +339,7 @@ def check_sent_bytes(ranks, zero3_sent_bytes: Callable, model_config, train_conf
         ):
             return fail(
                 f"✗ K={k}, reshard={reshard}: allgather and reduce_scatter: too large by"
-                f" N/(N-1): a ring sends (N-1)/N of each buffer — {hint}"
+                " N/(N-1): a ring sends (N-1)/N of each buffer"
             )
         if not check(f"K={k}, reshard={reshard}", answer, counted, atol=1e-6, hint=hint):
             return False

@@ -38,6 +38,8 @@ def link_mistake(link: float, cable_bytes: float, bits_per_second: float) -> str
          "tcp_payload_rate is in bytes per second already"),
         (cable_bytes * rate, "the bytes multiplied by the rate", "time is bytes over bytes per"
          " second"),
+        (2 * cable_bytes / rate, "too large by a factor of 2: both directions counted",
+         "a cable carries its two directions at once, and cable_bytes is one direction's"),
     )  # fmt: skip
     for value, how, why in mistakes:
         if abs(link - value) <= RTOL * abs(value):
@@ -61,6 +63,11 @@ def check_prediction(predict: Callable, fast_step: float, cable_bytes: float) ->
         )
     if abs(free - predicted_step(fast_step, cable_bytes, FREE)) > 0.001 * fast_step:
         how = "too large" if free > fast_step else "too small"
+        if abs(free - 1e3 * fast_step) <= 0.001 * 1e3 * fast_step:
+            return fail(
+                "✗ a link that costs nothing: too large by a factor of 1000: milliseconds,"
+                " where seconds are asked for"
+            )
         return fail(
             f"✗ a link that costs nothing: {how}, where the fast link's step is left — {hint}"
         )

@@ -199,20 +199,101 @@ def check_smallest_n(smallest_n: Callable) -> bool:
     return check("smallest_n", answers, expected, hint=hint)
 
 
+def _lever_figures(
+    stage: str,
+    sizes: list[int],
+    n: int,
+    precision: str,
+    *,
+    pad: str = "zero",
+    item16: int = 2,
+    master: bool = True,
+) -> dict:
+    """Exercise 4's figures (params, grads, optimizer with Adam), or one of its usual mistakes:
+    pad "none" or "all" (dp too), 4-byte bf16 elements, or bf16's optimizer state without its
+    fp32 master."""
+    item = 4 if precision == "fp32" else item16
+    state = 8 if precision == "fp32" else (12 if master else 8)
+    padded = pad == "all" or (pad == "zero" and stage != "dp")
+    psi = sum(-(-size // n) * n if padded else size for size in sizes)
+    level = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[stage]
+    return {
+        "params": item * psi // (n if level >= 3 else 1),
+        "grads": item * psi // (n if level >= 2 else 1),
+        "optimizer": state * psi // (n if level >= 1 else 1),
+    }  # fmt: skip
+
+
+LEVER_MISTAKES = (  # (what _lever_figures is told, what the line says)
+    ({"pad": "none"}, "the unpadded size: from zero1 on every layer is padded to a multiple of N"),
+    ({"pad": "all"}, "padded: dp pads nothing, it keeps every layer whole"),
+    (
+        {"master": False},
+        "bf16's Adam state without its fp32 master copy of the parameters",
+    ),
+    ({"item16": 4}, "4 bytes an element in bf16: its parameters and gradients are 2 bytes"),
+)
+
+
+def _lever_how(
+    answer, want, stage: str, sizes: list[int], n: int, precision: str, category: str
+) -> str:
+    """How one of exercise 4's figures is off: a usual mistake by name, else how_wrong's."""
+    for told, words in LEVER_MISTAKES:
+        if answer == _lever_figures(stage, sizes, n, precision, **told)[category]:
+            return words
+    return how_wrong(answer, want)
+
+
 def check_bytes_per_rank(
     bytes_per_rank: Callable, model_config, configs: dict, peaks: dict, n: int
 ) -> bool:
     """Exercise 4: bytes_per_rank(stage, sizes, n, precision) against every rank's live zero3
     ledger of 07's section 5.1 (`configs` by name, `peaks`: each one's ledgers by rank), and
     dp, zero1 and zero2 at N = n against the planner (`plan.ledger_bytes`, equal to the ledger
-    in 07's section 1), fp32 and bf16."""
-    from fsdp_lesson.checks import check_bytes
+    in 07's section 1), fp32 and bf16. A wrong figure is named by its usual mistake when it
+    is one, the same mistake once for every rank and configuration it shows in."""
+    from fsdp_lesson.checks import not_solved
 
+    name, categories = "bytes_per_rank", ("params", "grads", "optimizer")
     sizes, cases = plan.layer_sizes(model_config), {}
-    for name, config in configs.items():
-        cases[name] = (bytes_per_rank("zero3", sizes, n, config.precision), peaks[name])
+    for config_name, config in configs.items():
+        cases[config_name] = ("zero3", config.precision, peaks[config_name])
     for stage in ("dp", "zero1", "zero2"):
         for precision in ("fp32", "bf16"):
             planned = plan.ledger_bytes(stage, model_config, n, "adam", 32, precision=precision)
-            cases[f"{stage} {precision}"] = (bytes_per_rank(stage, sizes, n, precision), [planned])
-    return check_bytes("bytes_per_rank", cases)
+            cases[f"{stage} {precision}"] = (stage, precision, [planned])
+    answers = {key: bytes_per_rank(stage, sizes, n, p) for key, (stage, p, _) in cases.items()}
+    if any(not_solved(answer) for answer in answers.values()):
+        return fail(f"✗ {name}: {NOT_SOLVED}")
+    for key, answer in answers.items():
+        if not isinstance(answer, dict) or not set(categories) <= set(answer):
+            return fail(
+                f"✗ {name}: {key} returned {type(answer).__name__}, where a dict of"
+                f" {', '.join(categories)} is expected"
+            )
+    wrong: dict[str, dict[tuple[str, str], list[int]]] = {}  # how -> (case, category) -> ranks
+    for key, (stage, precision, ledgers) in cases.items():
+        for r, ledger in enumerate(ledgers):
+            for category in categories:
+                answer, want = answers[key][category], ledger[category]
+                if answer != want:
+                    how = _lever_how(answer, want, stage, sizes, n, precision, category)
+                    wrong.setdefault(how, {}).setdefault((key, category), []).append(r)
+    count = sum(len(ranks) for found in wrong.values() for ranks in found.values())
+    if count:
+        lines = []
+        for how, found in wrong.items():
+            where: dict[str, list[str]] = {}  # 'zero3 fp32 every rank' -> categories
+            for (key, category), ranks in found.items():
+                everyone = len(ranks) == len(cases[key][2])
+                who = key if len(cases[key][2]) == 1 else (
+                    f"{key} every rank" if everyone else f"{key} rank {', '.join(map(str, ranks))}"
+                )  # fmt: skip
+                where.setdefault(who, []).append(category)
+            places = "; ".join(f"{who} {', '.join(found)}" for who, found in where.items())
+            lines.append(f"  {places}: {how}")
+        print(f"✗ {name}: {count} of the ledger's figures differ", *lines[:7], sep="\n")
+        return fail(f"  ({name}: see the lines above)")
+    print(f"✓ {name}: correct — every category of every rank's ledger")
+    return True
