@@ -579,6 +579,7 @@ def test_causal_attention_checker_accepts_the_key_and_names_each_mistake(capsys,
         "not scaled: divide q k^T by sqrt(d)": wrong_attention(scale=1.0),
         "the scores are divided by d": wrong_attention(scale=0.25),  # d = 4 in the first case
         "the masked scores are 0, not -inf": lambda q, k, v: right_attention_masked_by_0(q, k, v),
+        "the mask is reversed": lambda q, k, v: right_attention(q[::-1], k[::-1], v[::-1])[::-1],
     }
     for says, answer in mistakes.items():
         assert not transformer.check_causal_attention(answer)
@@ -604,6 +605,7 @@ def test_block_shard_checker_accepts_the_key_and_names_each_mistake(capsys, stud
         "no padding": lambda e, f, n: 4 * numel(e, f) / n,
         "rounded down": lambda e, f, n: 4 * (numel(e, f) // n),
         "elements, not bytes": lambda e, f, n: -(-numel(e, f) // n),
+        "2 bytes an element": lambda e, f, n: 2 * -(-numel(e, f) // n),
         "the whole block": lambda e, f, n: 4 * numel(e, f),
         "one bias of emb too many: the keys have none": lambda e, f, n: (
             4 * -(-(numel(e, f) + e) // n)

@@ -47,8 +47,13 @@ def attention_mistakes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str,
     right = 1 / np.sqrt(d)
     with np.errstate(invalid="ignore"):  # a query that sees no key: nan, as a learner's would
         diagonal_masked = _softmax(_scores(q, k, right, -1), axis=-1) @ v
+    reversed_scores = q @ k.T * right
+    reversed_scores[np.tril_indices(len(q), -1)] = -np.inf  # the keys before each query hidden
     return {
         "no causal mask: every query sees the keys after it too": _softmax(q @ k.T * right, -1) @ v,
+        "the mask is reversed: it hides the keys before each query and shows those after it": (
+            _softmax(reversed_scores, -1) @ v
+        ),
         "the mask is off by one: each query also sees the key just after it": (
             _softmax(_scores(q, k, right, 1), -1) @ v
         ),
@@ -147,6 +152,7 @@ def shard_mistake(answer, emb: int, hidden: int, n: int) -> str | None:
         " holds a whole number of elements",
         4 * (numel // n): "rounded down: the padding makes the vector longer, so round up",
         per_rank: "elements, not bytes: a float32 is 4 bytes",
+        2 * per_rank: "2 bytes an element: the block's parameters are float32, 4 bytes each",
         4 * per_rank * n: "the whole padded block: zero3 keeps 1/N of it on a rank",
         4 * numel: "the whole block: zero3 keeps 1/N of it on a rank",
         4 * -(-(numel + emb) // n): "one bias of emb too many: the keys have none",
