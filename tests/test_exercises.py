@@ -651,6 +651,10 @@ def test_the_merge_checker_passes_the_key_and_names_each_mistake(capsys, student
         "the weights are swapped": lambda o1, l1, o2, l2: (key_merge(o2, l1, o1, l2)[0], l1),
         "out differs by more than 1e-05 at batch 0": lambda o1, l1, o2, l2: (o1, l1),
         "return a pair": lambda *p: key_merge(*p)[0],
+        "out is float16, narrower than the parts' float32": lambda *p: (
+            key_merge(*p)[0].astype(np.float16),
+            key_merge(*p)[1],
+        ),
     }
     for words, fn in wrong.items():
         assert context.check_merge(fn) is False

@@ -97,6 +97,11 @@ def how_merge_differs(answer, parts: tuple[np.ndarray, ...], whole) -> str | Non
         got = np.asarray(got)
         if got.shape != want.shape:
             return f"{what} has shape {got.shape}: it must have the shape of {what}1"
+        if got.dtype.kind == "f" and got.dtype.itemsize < np.asarray(want).dtype.itemsize:
+            return (
+                f"{what} is {got.dtype}, narrower than the parts' {np.asarray(want).dtype}:"
+                " keep their precision (no cast)"
+            )
         if np.isnan(got).any():
             return f"{what} holds NaN: a part whose lse is -inf must add nothing, not NaN"
     for text, (out, lse) in merge_mistakes(*parts).items():
