@@ -213,6 +213,9 @@ LOCAL_CASES = {  # notebook -> wrong answers whose lines its section must quote
         lambda: data_parallel.check_dp_traffic(
             lambda n, psi: 2 * (n - 1) * (4 * psi + 8), data_parallel.dp_bytes_per_step(4, PSI)
         ),
+        lambda: data_parallel.check_dp_traffic(
+            lambda n, psi: 2 * (4 * psi + 8), data_parallel.dp_bytes_per_step(4, PSI)
+        ),
     ],
     "04": [
         lambda: zero12.check_padding_bug(4, 0, 1756),

@@ -157,9 +157,21 @@ def check_dp_traffic(dp_traffic_per_step, counted: float) -> bool:
     answers = [dp_traffic_per_step(k, psi) for k in world_sizes]
     name = "dp_traffic_per_step"
     if not not_solved(answers) and all(isinstance(a, (int, float)) for a in answers):
-        gradients_only = [2 * (k - 1) / k * 4 * psi for k in world_sizes]
-        if np.allclose(answers, gradients_only, rtol=0, atol=ATOL):
-            return fail(f"✗ {name}: the gradients' bytes are right, the logged loss's are missing")
+        mistakes = {  # what each named mistake would answer
+            "the gradients' bytes are right, the logged loss's are missing": [
+                2 * (k - 1) / k * 4 * psi for k in world_sizes
+            ],
+            "the same at every N, but one rank alone sends nothing: a ring's phases send part"
+            " of the buffer, a part that depends on N": [2 * (4 * psi + 8)] * len(world_sizes),
+            "half of it: an allreduce on a ring has two phases (section 2)": [
+                e / 2 for e in expected
+            ],
+            "it grows without bound as N grows: a ring rank sends more pieces at larger N,"
+            " but each piece is smaller": [2 * (k - 1) * (4 * psi + 8) for k in world_sizes],
+        }
+        for mistake, answered in mistakes.items():
+            if np.allclose(answers, answered, rtol=0, atol=ATOL):
+                return fail(f"✗ {name}: {mistake}")
     return check(
         name,
         answers,
