@@ -633,6 +633,13 @@ def key_merge(out1, lse1, out2, lse2):
     return w1 * out1 + w2 * out2, lse
 
 
+def product_merge(out1, lse1, out2, lse2):
+    """The weights from lse1 + lse2: where a part's lse is -inf, exp(-inf - -inf) is NaN."""
+    lse = lse1 + lse2
+    with np.errstate(invalid="ignore"):
+        return np.exp(lse1 - lse)[..., None] * out1 + np.exp(lse2 - lse)[..., None] * out2, lse
+
+
 def test_the_merge_checker_passes_the_key_and_names_each_mistake(capsys, student):
     def unnormalised(o1, l1, o2, l2):
         top = np.maximum(l1, l2)
@@ -648,6 +655,7 @@ def test_the_merge_checker_passes_the_key_and_names_each_mistake(capsys, student
         "the weights do not add up to one": unnormalised,
         "lse is the larger of the two": lambda *p: (key_merge(*p)[0], np.maximum(p[1], p[3])),
         "lse is lse1 + lse2": lambda *p: (key_merge(*p)[0], p[1] + p[3]),
+        "lse is lse1 + lse2, the log": product_merge,  # its out holds NaN: the lse is named
         "the weights are swapped": lambda o1, l1, o2, l2: (key_merge(o2, l1, o1, l2)[0], l1),
         "out differs by more than 1e-05 at batch 0": lambda o1, l1, o2, l2: (o1, l1),
         "return a pair": lambda *p: key_merge(*p)[0],

@@ -102,12 +102,13 @@ def how_merge_differs(answer, parts: tuple[np.ndarray, ...], whole) -> str | Non
                 f"{what} is {got.dtype}, narrower than the parts' {np.asarray(want).dtype}:"
                 " keep their precision (no cast)"
             )
-        if np.isnan(got).any():
-            return f"{what} holds NaN: a part whose lse is -inf must add nothing, not NaN"
-    for text, (out, lse) in merge_mistakes(*parts).items():
+    for text, (out, lse) in merge_mistakes(*parts).items():  # before NaN: a wrong lse makes
         if (out is None or close(answer[0], out)) and (lse is None or close(answer[1], lse)):
-            if not close(answer[0], whole[0]) or not close(answer[1], whole[1]):
+            if not close(answer[0], whole[0]) or not close(answer[1], whole[1]):  # out NaN
                 return text
+    for what, got in zip(("out", "lse"), answer, strict=True):
+        if np.isnan(np.asarray(got)).any():
+            return f"{what} holds NaN: a part whose lse is -inf must add nothing, not NaN"
     for what, got, want in zip(("out", "lse"), answer, whole, strict=True):
         got = np.asarray(got, np.float64)
         wrong = np.abs(got - want) > TOLERANCE
