@@ -333,6 +333,21 @@ def start_keeper(record: Record, directory: Path) -> subprocess.Popen:
     return keeper
 
 
+def wait_until_kept(keeper: subprocess.Popen) -> None:
+    """Wait for the keeper, told "keep", to become `sleep infinity`: keeper_alive knows it by
+    that command line, so until then every command on the hosts would find them gone (a
+    loaded machine made `up`'s first caller see that)."""
+    cmdline, deadline = Path(f"/proc/{keeper.pid}/cmdline"), time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline and keeper.poll() is None:
+        try:
+            if cmdline.read_bytes() == b"sleep\0infinity\0":
+                return
+        except OSError:
+            break  # it ended
+        time.sleep(0.01)
+    raise HostsError(f"the hosts' keeper did not stay up (exit code {keeper.poll()}); try again")
+
+
 # --- the record -------------------------------------------------------------------------------
 
 
@@ -485,6 +500,7 @@ def up(layout: Layout, directory: Path = DEFAULT_DIR) -> Record:
         build(record, layout, directory)
         keeper.stdin.write("keep\n")
         keeper.stdin.close()  # from now on the keeper outlives us: `down` ends it
+        wait_until_kept(keeper)
     except BaseException:
         with signals_held():
             if keeper is not None:

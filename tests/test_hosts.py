@@ -258,6 +258,25 @@ def refused(directory: Path, capsys, *words: str) -> None:
     assert sorted(directory.iterdir()) == before
 
 
+def test_up_returns_once_the_keeper_is_kept_and_names_one_that_ended():
+    """`up` waited only until it had told the keeper "keep": a loaded machine let its caller
+    look before the keeper became `sleep infinity`, and find the hosts gone."""
+    slow = "read -r word; sleep 0.3; exec sleep infinity"  # a keeper the machine holds back
+    keeper = subprocess.Popen(["sh", "-c", slow], stdin=subprocess.PIPE, text=True)
+    try:
+        keeper.stdin.write("keep\n")
+        keeper.stdin.close()
+        hosts.wait_until_kept(keeper)
+        assert Path(f"/proc/{keeper.pid}/cmdline").read_bytes() == b"sleep\0infinity\0"
+    finally:
+        keeper.kill()
+        keeper.wait()
+    ended = subprocess.Popen(["sh", "-c", "exit 3"], stdin=subprocess.PIPE, text=True)
+    ended.wait()
+    with pytest.raises(hosts.HostsError, match="did not stay up .exit code 3"):
+        hosts.wait_until_kept(ended)
+
+
 def test_a_record_naming_files_up_never_writes_is_refused(tmp_path, capsys):
     victim = tmp_path / "victim"
     victim.write_text("keep me\n")
