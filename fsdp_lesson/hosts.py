@@ -264,6 +264,7 @@ read -r word
 [ "$word" = keep ]
 exec sleep infinity </dev/null >/dev/null 2>&1
 """
+KEEPER_CMDLINE = b"sleep\0infinity\0"  # what the keeper is once kept, as /proc shows it
 
 
 def start_time(pid: int) -> int | None:
@@ -288,7 +289,7 @@ def keeper_alive(record: Record) -> bool:
     try:
         return (
             proc.stat().st_uid == os.geteuid()
-            and (proc / "cmdline").read_bytes() == b"sleep\0infinity\0"
+            and (proc / "cmdline").read_bytes() == KEEPER_CMDLINE
             and (proc / "uid_map").read_text().split()[::2] == ["0", "1"]
         )
     except OSError:
@@ -340,7 +341,7 @@ def wait_until_kept(keeper: subprocess.Popen) -> None:
     cmdline, deadline = Path(f"/proc/{keeper.pid}/cmdline"), time.monotonic() + TIMEOUT
     while time.monotonic() < deadline and keeper.poll() is None:
         try:
-            if cmdline.read_bytes() == b"sleep\0infinity\0":
+            if cmdline.read_bytes() == KEEPER_CMDLINE:
                 return
         except OSError:
             break  # it ended
