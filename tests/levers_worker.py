@@ -17,7 +17,7 @@ from fsdp_lesson.data import Dataset
 from fsdp_lesson.train import run
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
-TRAIN = dict(steps=40, batch=24, eval_batches=2, samples=1)  # a wrong shard shows at step 1
+TRAIN = dict(steps=20, batch=24, eval_batches=2, samples=1)  # a wrong shard shows at step 1
 TRAFFIC = dict(steps=5, batch=24, eval_batches=0, samples=0)
 RECOMPUTE = dict(steps=30, batch=24, eval_batches=1, samples=0)
 CLIP = 0.1  # --clip-grad-norm

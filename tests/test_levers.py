@@ -85,7 +85,7 @@ def test_ledger_is_the_papers_mixed_precision_accounting_and_the_planner_predict
 # bf16 keeps 8 significant bits: a gradient is rounded on every rank and at every ring hop,
 # so N-rank and one-rank runs part by a few roundings (2^-9 each) per step. The losses agree
 # within bf16's relative precision 2^-8, the fp32 master weights within 2^-6 (four roundings)
-# in relative L2 norm; measured: at most 1e-3 and 4e-3.
+# in relative L2 norm; measured over 40 steps: at most 1e-3 and 4e-3.
 def test_bf16_at_every_stage_trains_as_single_bf16(world):
     n, results = world
     for name, r in results.items():
