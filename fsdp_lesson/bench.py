@@ -2,16 +2,20 @@
 
     python -m fsdp_lesson bench --out build/sweep.json            # the notebook's quick sweep
     python -m fsdp_lesson bench --full --out build/sweep-full.json
+    python -m fsdp_lesson bench --out build/sweep.json --reuse    # unless this code made it
 
 For each rank count N it runs `mpiexec -n N` once; every rank trains each (model, strategy)
 for a few steps and reports its ledger peaks, tracemalloc peak, RSS, traffic per step by
 collective and ms/step (median) split into communication and compute. Rank 0 prints one
-JSON line per run; this process collects them into one file.
+JSON line per run; this process collects them into one file. Each record names the code that
+measured it (a digest of the package's source), so that notebooks 07 and 08 share one sweep
+(--reuse) and a change to the package measures again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -32,6 +36,29 @@ MODELS = {
 }
 QUICK = {"ranks": [1, 2, 4], "models": ["seed", "medium"]}
 FULL = {"ranks": [1, 2, 4, 8], "models": ["seed", "medium", "large"]}
+
+
+def code_digest() -> str:
+    """A digest of the package's source: which code a sweep's records were measured by."""
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def reusable(path: Path, ranks: list[int], models: list[str]) -> bool:
+    """Whether `path` holds this plan's sweep, every record measured by this same code."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(records, list)
+        and all(isinstance(r, dict) and r.get("code") == code_digest() for r in records)
+        and sorted({(r.get("model"), r.get("strategy"), r.get("ranks")) for r in records})
+        == sorted((m, s, n) for m in models for s in STRATEGIES for n in ranks)
+    )
 
 
 def measure(model_name: str, strategy: str, optimizer: str = "adam") -> dict | None:
@@ -66,6 +93,7 @@ def measure(model_name: str, strategy: str, optimizer: str = "adam") -> dict | N
     if comm.rank != 0:
         return None
     return {
+        "code": code_digest(),
         "model": model_name,
         "model_config": fields,
         "strategy": strategy,
@@ -135,12 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("build/sweep.json"))
     parser.add_argument("--full", action="store_true", help="add N=8 and the 30 M-parameter model")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep --out's sweep when this same code measured it (delete it to measure again)",
+    )
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
     plan = FULL if args.full else QUICK
+    if args.reuse and reusable(args.out, plan["ranks"], plan["models"]):
+        records = json.loads(args.out.read_text())
+        print(summary(records))
+        print(f"reused {len(records)} runs from {args.out}, measured by this same code")
+        return 0
     records = sweep(plan["ranks"], plan["models"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1))

@@ -1,8 +1,11 @@
 """The measurement sweep (python -m fsdp_lesson bench) and the planner agree to the byte."""
 
+import json
+
 import pytest
 
-from fsdp_lesson.bench import MODELS, STRATEGIES, sweep
+from fsdp_lesson import bench
+from fsdp_lesson.bench import MODELS, STRATEGIES, code_digest, reusable, sweep
 from fsdp_lesson.config import ModelConfig
 from fsdp_lesson.plan import layer_sizes, ledger_bytes, padded, traffic_bytes
 
@@ -54,3 +57,31 @@ def test_traffic_is_2_psi_or_3_psi_plus_the_logged_loss(records):
         for rank in r["per_rank"]:
             measured = sum(rank["traffic_per_step"].values())
             assert measured == pytest.approx(expected, rel=1e-12), (r["model"], r["strategy"])
+
+
+def test_a_sweep_is_reused_only_by_the_code_that_measured_it(records, tmp_path, capsys):
+    """--reuse keeps a sweep of this plan that this same code measured (notebooks 07 and 08
+    share one); a record of other code, a missing run or an unreadable file measures again."""
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(json.dumps(records))
+    assert all(r["code"] == code_digest() for r in records)
+    assert reusable(sweep_file, [2], ["seed", "medium"])
+    assert not reusable(sweep_file, [1, 2], ["seed", "medium"])  # another plan
+    sweep_file.write_text(json.dumps(records[1:]))  # a run missing
+    assert not reusable(sweep_file, [2], ["seed", "medium"])
+    sweep_file.write_text(json.dumps([{**records[0], "code": "other code"}, *records[1:]]))
+    assert not reusable(sweep_file, [2], ["seed", "medium"])
+    sweep_file.write_text("{not json")
+    assert not reusable(sweep_file, [2], ["seed", "medium"])
+    assert not reusable(tmp_path / "absent.json", [2], ["seed", "medium"])
+
+
+def test_reuse_prints_the_kept_sweep_and_runs_nothing(records, tmp_path, monkeypatch, capsys):
+    quick = [dict(r, ranks=n) for n in bench.QUICK["ranks"] for r in records]
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(json.dumps(quick))
+    monkeypatch.setattr(bench, "sweep", lambda *args: pytest.fail("measured again"))
+    assert bench.main(["--out", str(sweep_file), "--reuse"]) == 0
+    out = capsys.readouterr().out
+    assert f"reused {len(quick)} runs from {sweep_file}, measured by this same code" in out
+    assert json.loads(sweep_file.read_text()) == quick  # left as it was
