@@ -77,18 +77,13 @@ def test_the_tests_beside_the_notebooks_fail_the_run_and_are_reported_after_them
     def prints(text: str, code: int = 0) -> list[str]:
         return [sys.executable, "-c", f"print({text!r}); raise SystemExit({code})"]
 
-    logs = [tmp_path / "beside-1.log", tmp_path / "beside-2.log"]
-    assert lesson.run_side_by_side(prints("first"), [prints("second"), prints("third")], logs) == 0
+    log = tmp_path / "beside.log"
+    assert lesson.run_side_by_side(prints("first"), prints("second"), log) == 0
     out = capfd.readouterr().out
-    # the others' reports follow the first's, in their order
-    assert out.index("first") < out.index("second") < out.index("third")
-    for beside, code in [([prints("second", 3), prints("third")], 3),
-                         ([prints("second"), prints("third", 4)], 4)]:  # fmt: skip
-        assert lesson.run_side_by_side(prints("first"), beside, logs) == code
-    beside = [prints("second"), prints("third")]
-    assert lesson.run_side_by_side(prints("first", 2), beside, logs) == 2
-    out = capfd.readouterr().out
-    assert "second" in out and "third" in out  # also reported when the first failed
+    assert out.index("first") < out.index("second")  # the second's report follows the first's
+    assert lesson.run_side_by_side(prints("first"), prints("second", 3), log) == 3
+    assert lesson.run_side_by_side(prints("first", 2), prints("second"), log) == 2
+    assert "second" in capfd.readouterr().out  # also reported when the first failed
 
 
 def test_arguments_that_name_no_file_are_pytest_options():
@@ -104,11 +99,7 @@ def test_every_test_file_named_to_run_beside_the_notebooks_exists():
     sys.path.insert(0, str(ROOT / "tools"))
     import lesson
 
-    named = [name for group in lesson.WAITING_TESTS for name in group]
-    missing = [name for name in named if not (ROOT / "tests" / name).is_file()]
-    assert not missing, f"tools/lesson.py's WAITING_TESTS names no file: {missing}"
-    assert len(set(named)) == len(named), "a file in two groups of WAITING_TESTS"
-    student = ROOT / "tests" / "test_student.py"
-    beside = [path for files in lesson.tests_beside(student) for path in files]
-    everything = set((ROOT / "tests").glob("test_*.py")) - {student}
-    assert sorted(beside) == sorted(everything)  # every file once, test_student's on the engines
+    for names in ("WAITING_TESTS", "AFTER_THE_NOTEBOOKS"):
+        missing = [name for name in getattr(lesson, names) if not (ROOT / "tests" / name).is_file()]
+        assert not missing, f"tools/lesson.py's {names} names no file: {missing}"
+    assert not set(lesson.WAITING_TESTS) & set(lesson.AFTER_THE_NOTEBOOKS)

@@ -191,8 +191,10 @@ def run_tests(pytest_args: list[str]) -> int:
     student copy (tests/test_student.py), which must run and print every output nbval compares
     but its exercises'; a notebook without exercises runs twice under nbval. Nothing else uses
     those engines (a test that needs a cluster starts its own), so tests/ runs beside them, in
-    two more pytests whose reports follow: each first runs one group of the tests that mostly
-    wait (WAITING_TESTS), then every other one of the busy files.
+    a second pytest whose report follows: first the tests that mostly wait (WAITING_TESTS),
+    which leave the notebooks the cores, then the busy ones, which the notebooks' end leaves
+    the cores to. A few busy files (AFTER_THE_NOTEBOOKS) run in the first pytest, after the
+    student copies, so that the two end nearer together.
     Paths among pytest_args (files, folders, node ids) replace the default selection and run
     in one pytest; simulated hosts come up only for the default selection or a notebook that
     needs them.
@@ -218,41 +220,36 @@ def run_tests(pytest_args: list[str]) -> int:
             return subprocess.call([*pytest, *paths], cwd=ROOT)
         again = [path for path in notebooks if not has_solutions(nbformat.read(path, 4))]
         student = ROOT / "tests" / "test_student.py"  # the second run, right after the first
-        on_the_engines = [*map(str, [*notebooks, *again, student]), "--keep-duplicates"]
-        beside = [[*pytest, *map(str, files)] for files in tests_beside(student)]
-        return run_side_by_side([*pytest, *on_the_engines], beside)
+        rest = [path for path in sorted((ROOT / "tests").glob("test_*.py")) if path != student]
+        waiting = [path for path in rest if path.name in WAITING_TESTS]
+        after = [path for path in rest if path.name in AFTER_THE_NOTEBOOKS]
+        busy = [path for path in rest if path not in waiting + after]
+        on_the_engines = [*map(str, [*notebooks, *again, student, *after]), "--keep-duplicates"]
+        return run_side_by_side([*pytest, *on_the_engines], [*pytest, *map(str, waiting + busy)])
 
 
 # Tests that mostly wait (for a cluster to start or stop, an engine or a rank to time out, a
-# browser), in two groups of about equal time. Each starts whatever it needs (none uses the
-# session's engines, which only the notebooks and their student copies do), so the two groups
-# run at once, beside the notebooks, each in a pytest that then runs half the busy files.
-# Measured on a quiet 2-core machine, in one pytest beside the notebooks, the waiting files
-# took 580 s and the busy ones 300 s after them, while the notebooks' pytest ended at 765 s.
+# browser): measured on a quiet 2-core machine, their processes used 38% of one core over their
+# 368 s (4% to 88% by file). Each starts whatever it needs (none uses the session's engines,
+# which only the notebooks and their student copies do), so they go first beside the notebooks.
 WAITING_TESTS = (
-    (
-        "test_cluster.py",
-        "test_harness.py",
-        "test_lesson_signals.py",
-        "test_hosts_private.py",
-        "test_hosts_engines.py",
-        "test_loopback.py",
-    ),
-    ("test_timeout.py", "test_site.py", "test_grade.py", "test_limits.py"),
+    "test_cluster.py",
+    "test_timeout.py",
+    "test_grade.py",
+    "test_site.py",
+    "test_limits.py",
+    "test_harness.py",
+    "test_hosts_engines.py",
+    "test_lesson_signals.py",
+    "test_hosts_private.py",
+    "test_loopback.py",
 )
-BESIDE_LOGS = [ROOT / "build" / f"tests-beside-{k}.log" for k in (1, 2)]
-
-
-def tests_beside(student: Path) -> list[list[Path]]:
-    """tests/ but `student`, in two lists of files: a group of waiting files, then every other
-    busy file (in name order: the two halves take about as long)."""
-    files = [path for path in sorted((ROOT / "tests").glob("test_*.py")) if path != student]
-    waiting = {name for group in WAITING_TESTS for name in group}
-    busy = [path for path in files if path.name not in waiting]
-    return [
-        [ROOT / "tests" / name for name in group] + busy[k::2]
-        for k, group in enumerate(WAITING_TESTS)
-    ]
+# Busy files that end the first pytest: measured alone on a quiet 2-core machine, the busy files
+# took 331 s, these 95, 25 and 23 s. With the notebooks' pytest ending at the student copies,
+# tests/ ended 5 min after it (quiet fresh clones: 588 s, 893 s); with the bridge moved, 2.5 min
+# after it (690 s, 844 s).
+AFTER_THE_NOTEBOOKS = ("test_torch_bridge.py", "test_failures.py", "test_teaching.py")
+BESIDE_LOG = ROOT / "build" / "tests-beside.log"
 
 
 def is_test_path(arg: str) -> bool:
@@ -261,37 +258,28 @@ def is_test_path(arg: str) -> bool:
     return not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists()
 
 
-def run_side_by_side(
-    first: list[str], beside: list[list[str]], log_paths: list[Path] = BESIDE_LOGS
-) -> int:
-    """Run the first command and the others at once: the first's report live, each other's
-    (kept in its log_path) after it. Nonzero when any fails; none outlives this."""
-    logs, others = [], []
-    try:
-        for command, log_path in zip(beside, log_paths, strict=True):
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            logs.append(open(log_path, "w"))
-            others.append(
-                subprocess.Popen(command, cwd=ROOT, stdout=logs[-1], stderr=subprocess.STDOUT)
-            )
-        print("(tests/ runs beside the notebooks; its reports follow theirs)", flush=True)
-        code = subprocess.call(first, cwd=ROOT)
-        if any(other.poll() is None for other in others):
-            print("\nwaiting for tests/ ...", flush=True)
-        codes = [other.wait() for other in others]
-    finally:
-        for other in others:
-            if other.poll() is None:  # this process is ending (a signal, an error): so are they
-                other.terminate()
+def run_side_by_side(first: list[str], second: list[str], log_path: Path = BESIDE_LOG) -> int:
+    """Run two commands at once: the first's report live, the second's (kept in log_path)
+    after it. Nonzero when either fails; neither outlives this."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        beside = subprocess.Popen(second, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            print("(tests/ runs beside the notebooks; its report follows theirs)", flush=True)
+            code = subprocess.call(first, cwd=ROOT)
+            if beside.poll() is None:
+                print("\nwaiting for tests/ ...", flush=True)
+            code_beside = beside.wait()
+        finally:
+            if beside.poll() is None:  # this process is ending (a signal, an error): so is it
+                beside.terminate()
                 try:
-                    other.wait(timeout=30)
+                    beside.wait(timeout=30)
                 except subprocess.TimeoutExpired:
-                    other.kill()
-        for log, log_path in zip(logs, log_paths, strict=False):  # fewer if one failed to open
-            log.close()
+                    beside.kill()
             print(f"\n--- tests/, beside the notebooks ({log_path}) ---", flush=True)
             print(log_path.read_text(), end="", flush=True)
-    return code or next((c for c in codes if c), 0)
+    return code or code_beside
 
 
 def run_lab() -> int:
