@@ -225,11 +225,7 @@ def run_tests(pytest_args: list[str]) -> int:
         after = [path for path in rest if path.name in AFTER_THE_NOTEBOOKS]
         busy = [path for path in rest if path not in waiting + after]
         on_the_engines = [*map(str, [*notebooks, *again, student, *after]), "--keep-duplicates"]
-        # tests/' ranks wait by MPICH's heavy yield (a ~50 us sleep per poll, fsdp_lesson/launch.py
-        # says why a rank's default is a plain yield): then a rank waiting in a collective beside
-        # the busy engines hands them its core instead of spinning on it (BESIDE_ENV)
-        beside = [*pytest, *map(str, waiting + busy)]
-        return run_side_by_side([*pytest, *on_the_engines], beside, env=BESIDE_ENV | os.environ)
+        return run_side_by_side([*pytest, *on_the_engines], [*pytest, *map(str, waiting + busy)])
 
 
 # Tests that mostly wait (for a cluster to start or stop, an engine or a rank to time out, a
@@ -259,9 +255,6 @@ AFTER_THE_NOTEBOOKS = (
     "test_levers.py",
 )
 BESIDE_LOG = ROOT / "build" / "tests-beside.log"
-# Measured: test_fsdp beside a 4-rank zero3 training on 2 quiet cores took 50 s with plain
-# yields and 53 s with heavy ones, while the training beside it ran 37% more steps.
-BESIDE_ENV = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
 
 def is_test_path(arg: str) -> bool:
@@ -270,14 +263,12 @@ def is_test_path(arg: str) -> bool:
     return not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists()
 
 
-def run_side_by_side(
-    first: list[str], second: list[str], log_path: Path = BESIDE_LOG, env: dict | None = None
-) -> int:
-    """Run two commands at once: the first's report live, the second's (kept in log_path, run
-    with `env`) after it. Nonzero when either fails; neither outlives this."""
+def run_side_by_side(first: list[str], second: list[str], log_path: Path = BESIDE_LOG) -> int:
+    """Run two commands at once: the first's report live, the second's (kept in log_path)
+    after it. Nonzero when either fails; neither outlives this."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        beside = subprocess.Popen(second, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        beside = subprocess.Popen(second, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             print("(tests/ runs beside the notebooks; its report follows theirs)", flush=True)
             code = subprocess.call(first, cwd=ROOT)
