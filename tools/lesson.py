@@ -244,16 +244,11 @@ WAITING_TESTS = (
     "test_hosts_private.py",
     "test_loopback.py",
 )
-# Busy files that end the first pytest, so that the two end nearer together: in a quiet fresh
-# clone with the first three here, the notebooks' pytest ended at 765 s and tests/ at 874 s, its
-# last 110 s alone; test_mesh and test_levers took 31 s and 21 s of it.
-AFTER_THE_NOTEBOOKS = (
-    "test_torch_bridge.py",
-    "test_failures.py",
-    "test_teaching.py",
-    "test_mesh.py",
-    "test_levers.py",
-)
+# Busy files that end the first pytest: measured alone on a quiet 2-core machine, the busy files
+# took 331 s, these 95, 25 and 23 s. With the notebooks' pytest ending at the student copies,
+# tests/ ended 5 min after it (quiet fresh clones: 588 s, 893 s); with the bridge moved, 2.5 min
+# after it (690 s, 844 s).
+AFTER_THE_NOTEBOOKS = ("test_torch_bridge.py", "test_failures.py", "test_teaching.py")
 BESIDE_LOG = ROOT / "build" / "tests-beside.log"
 
 
