@@ -15,6 +15,7 @@ measured it (a digest of the package's source), so that notebooks 07 and 08 shar
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import subprocess
@@ -38,6 +39,7 @@ QUICK = {"ranks": [1, 2, 4], "models": ["seed", "medium"]}
 FULL = {"ranks": [1, 2, 4, 8], "models": ["seed", "medium", "large"]}
 
 
+@functools.cache  # the source does not change under a running sweep: read it once
 def code_digest() -> str:
     """A digest of the package's source: which code a sweep's records were measured by."""
     digest = hashlib.sha256()
